@@ -1,0 +1,109 @@
+"""Block identity: the xxh3-64 hash chain shared by the client and the daemon.
+
+Primitives:
+    salt_hash(cache_salt, lora_name) -> seed   per-request salt, Dynamo-compatible ("{}" when none)
+    scope_seed(seed, *scopes) -> seed          fold daemon-side scopes (namespace, model) into a seed
+    block_hashes(tokens_u32le, block_size, seed, start=0, prev=None) -> list[BlockHash]
+    ChainHasher                                incremental chain for a growing token sequence
+
+Chain (DESIGN.md): h0 = xxh3(tokens_0, seed); hi = xxh3(le_u64(h(i-1)) || le_u64(xxh3(tokens_i, seed)), seed),
+tokens as little-endian u32. Only full blocks have a hash.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import struct
+import sys
+from typing import NewType
+
+import xxhash
+
+BlockHash = NewType("BlockHash", int)
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_pair = struct.Struct("<QQ").pack
+_pack_u64 = struct.Struct("<Q").pack
+TOKEN_BYTES = 4
+MAX_TOKEN = 2**32 - 1
+
+
+def salt_hash(cache_salt: str = "", lora_name: str = "") -> int:
+    """The per-request seed: xxh3 of a JSON object of the salt inputs that are set (Dynamo's rule)."""
+    obj: dict[str, str] = {}
+    if cache_salt:
+        obj["salt"] = cache_salt
+    if lora_name:
+        obj["lora_name"] = lora_name
+    return _xxh3(json.dumps(obj, separators=(",", ":"), sort_keys=True).encode(), 0)
+
+
+def scope_seed(seed: int, *scopes: str) -> int:
+    """Folds scopes (tenant namespace, model identity) into a seed; empty scopes change nothing,
+    so the default namespace stays compatible with plain Dynamo hashes."""
+    for scope in scopes:
+        if scope:
+            seed = _xxh3(_pack_u64(seed) + scope.encode(), 0)
+    return seed
+
+
+def tokens_to_bytes(tokens: "array.array[int] | list[int] | tuple[int, ...]") -> bytes:
+    """Little-endian u32 bytes of a token list (raises OverflowError/TypeError on bad tokens)."""
+    arr = tokens if isinstance(tokens, array.array) and tokens.typecode == "I" else array.array("I", tokens)
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian machines here
+        arr = array.array("I", arr)
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def block_hashes(
+    data: bytes | memoryview,
+    block_size: int,
+    seed: int,
+    *,
+    start_block: int = 0,
+    prev: int | None = None,
+    limit: int | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `data` (LE u32 tokens) from `start_block` on.
+
+    `prev` is the hash of block start_block-1 (None when start_block is 0). `limit` caps how many
+    hashes are produced (a lookup stops hashing at its first miss).
+    """
+    step = block_size * TOKEN_BYTES
+    mv = memoryview(data)
+    end = len(mv) - len(mv) % step
+    out: list[BlockHash] = []
+    off = start_block * step
+    while off < end and (limit is None or len(out) < limit):
+        bh = _xxh3(mv[off : off + step], seed)
+        prev = bh if prev is None else _xxh3(_pack_pair(prev, bh), seed)
+        out.append(BlockHash(prev))
+        off += step
+    return out
+
+
+class ChainHasher:
+    """Incremental chain over a sequence that grows by appends (a request's prompt, then decode)."""
+
+    __slots__ = ("block_size", "seed", "_tokens", "hashes")
+
+    def __init__(self, block_size: int, seed: int) -> None:
+        self.block_size = block_size
+        self.seed = seed
+        self._tokens = bytearray()
+        self.hashes: list[BlockHash] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._tokens) // TOKEN_BYTES
+
+    def extend(self, data: bytes | memoryview) -> None:
+        """Appends LE u32 tokens and hashes every block they complete."""
+        self._tokens += data
+        prev = self.hashes[-1] if self.hashes else None
+        self.hashes += block_hashes(self._tokens, self.block_size, self.seed, start_block=len(self.hashes), prev=prev)
+
+    def token_bytes(self) -> bytes:
+        return bytes(self._tokens)

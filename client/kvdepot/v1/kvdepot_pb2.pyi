@@ -1,0 +1,447 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+
+class UpdateStyle(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    UPDATE_STYLE_UNSPECIFIED: _ClassVar[UpdateStyle]
+    UPDATE_STYLE_VLLM: _ClassVar[UpdateStyle]
+    UPDATE_STYLE_TRTLLM: _ClassVar[UpdateStyle]
+
+class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OP_KIND_UNSPECIFIED: _ClassVar[OpKind]
+    OP_KIND_LOAD: _ClassVar[OpKind]
+    OP_KIND_STORE: _ClassVar[OpKind]
+TIER_UNSPECIFIED: Tier
+TIER_HOST: Tier
+TIER_DISK: Tier
+UPDATE_STYLE_UNSPECIFIED: UpdateStyle
+UPDATE_STYLE_VLLM: UpdateStyle
+UPDATE_STYLE_TRTLLM: UpdateStyle
+OP_KIND_UNSPECIFIED: OpKind
+OP_KIND_LOAD: OpKind
+OP_KIND_STORE: OpKind
+
+class KvLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "world_size")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_size: int
+    world_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class RegisterEngineRequest(_message.Message):
+    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms")
+    ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_STYLE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_name: str
+    model: str
+    layout: KvLayout
+    namespace: str
+    update_style: UpdateStyle
+    lease_ms: int
+    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RegisterEngineResponse(_message.Message):
+    __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    lease_ms: int
+    block_bytes: int
+    host_capacity_blocks: int
+    def __init__(self, engine_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_expires_unix_ms",)
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_unix_ms: int
+    def __init__(self, lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class UnregisterEngineRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterEngineResponse(_message.Message):
+    __slots__ = ("released_slots",)
+    RELEASED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    released_slots: int
+    def __init__(self, released_slots: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id", "tokens", "tokens_u32le", "cache_salt", "lora_name", "device_matched_tokens", "pin_ms")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PIN_MS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    tokens_u32le: bytes
+    cache_salt: str
+    lora_name: str
+    device_matched_tokens: int
+    pin_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., tokens_u32le: _Optional[bytes] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., device_matched_tokens: _Optional[int] = ..., pin_ms: _Optional[int] = ...) -> None: ...
+
+class TierTokens(_message.Message):
+    __slots__ = ("tier", "tokens")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    tokens: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("matched_tokens", "by_tier", "pin_deadline_unix_ms", "total_blocks")
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    PIN_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    matched_tokens: int
+    by_tier: _containers.RepeatedCompositeFieldContainer[TierTokens]
+    pin_deadline_unix_ms: int
+    total_blocks: int
+    def __init__(self, matched_tokens: _Optional[int] = ..., by_tier: _Optional[_Iterable[_Union[TierTokens, _Mapping]]] = ..., pin_deadline_unix_ms: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("engine_id", "step", "request_ids", "is_new", "device_matched_tokens", "loaded_tokens", "computed_tokens", "scheduled_tokens", "num_new_tokens", "new_tokens", "num_new_block_ids", "new_block_ids", "cache_salt", "lora_name", "finished", "preempted")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    IS_NEW_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    step: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    is_new: _containers.RepeatedScalarFieldContainer[bool]
+    device_matched_tokens: _containers.RepeatedScalarFieldContainer[int]
+    loaded_tokens: _containers.RepeatedScalarFieldContainer[int]
+    computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_salt: _containers.RepeatedScalarFieldContainer[str]
+    lora_name: _containers.RepeatedScalarFieldContainer[str]
+    finished: _containers.RepeatedScalarFieldContainer[str]
+    preempted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., step: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., is_new: _Optional[_Iterable[bool]] = ..., device_matched_tokens: _Optional[_Iterable[int]] = ..., loaded_tokens: _Optional[_Iterable[int]] = ..., computed_tokens: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[_Iterable[str]] = ..., lora_name: _Optional[_Iterable[str]] = ..., finished: _Optional[_Iterable[str]] = ..., preempted: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Op(_message.Message):
+    __slots__ = ("op_id", "kind", "request_id", "block_ids", "block_indices", "step", "deadline_unix_ms")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    kind: OpKind
+    request_id: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    deadline_unix_ms: int
+    def __init__(self, op_id: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_indices: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("step", "ops", "delay_free")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    DELAY_FREE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ops: _containers.RepeatedCompositeFieldContainer[Op]
+    delay_free: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., delay_free: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("attach", "forward_done")
+    class Attach(_message.Message):
+        __slots__ = ("engine_id", "rank")
+        ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+        RANK_FIELD_NUMBER: _ClassVar[int]
+        engine_id: str
+        rank: int
+        def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    class ForwardDone(_message.Message):
+        __slots__ = ("step",)
+        STEP_FIELD_NUMBER: _ClassVar[int]
+        step: int
+        def __init__(self, step: _Optional[int] = ...) -> None: ...
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_DONE_FIELD_NUMBER: _ClassVar[int]
+    attach: WorkerMessage.Attach
+    forward_done: WorkerMessage.ForwardDone
+    def __init__(self, attach: _Optional[_Union[WorkerMessage.Attach, _Mapping]] = ..., forward_done: _Optional[_Union[WorkerMessage.ForwardDone, _Mapping]] = ...) -> None: ...
+
+class WorkerEvent(_message.Message):
+    __slots__ = ("attached", "op_completed", "request_released")
+    class Attached(_message.Message):
+        __slots__ = ("rank",)
+        RANK_FIELD_NUMBER: _ClassVar[int]
+        rank: int
+        def __init__(self, rank: _Optional[int] = ...) -> None: ...
+    class OpCompleted(_message.Message):
+        __slots__ = ("op_id", "kind", "request_id", "success", "failed_block_ids", "message")
+        OP_ID_FIELD_NUMBER: _ClassVar[int]
+        KIND_FIELD_NUMBER: _ClassVar[int]
+        REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+        SUCCESS_FIELD_NUMBER: _ClassVar[int]
+        FAILED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+        MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        op_id: int
+        kind: OpKind
+        request_id: str
+        success: bool
+        failed_block_ids: _containers.RepeatedScalarFieldContainer[int]
+        message: str
+        def __init__(self, op_id: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., request_id: _Optional[str] = ..., success: _Optional[bool] = ..., failed_block_ids: _Optional[_Iterable[int]] = ..., message: _Optional[str] = ...) -> None: ...
+    class RequestReleased(_message.Message):
+        __slots__ = ("request_id",)
+        REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+        request_id: str
+        def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    OP_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    attached: WorkerEvent.Attached
+    op_completed: WorkerEvent.OpCompleted
+    request_released: WorkerEvent.RequestReleased
+    def __init__(self, attached: _Optional[_Union[WorkerEvent.Attached, _Mapping]] = ..., op_completed: _Optional[_Union[WorkerEvent.OpCompleted, _Mapping]] = ..., request_released: _Optional[_Union[WorkerEvent.RequestReleased, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("layout_class", "tier", "block_bytes", "capacity_blocks", "used_blocks", "pinned_blocks", "in_flight_blocks")
+    LAYOUT_CLASS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    layout_class: str
+    tier: Tier
+    block_bytes: int
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+    in_flight_blocks: int
+    def __init__(self, layout_class: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_flight_blocks: _Optional[int] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("engines", "slots", "ops_in_flight", "pools", "counters", "host_bytes", "uptime_s")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    OPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    engines: int
+    slots: int
+    ops_in_flight: int
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    counters: _containers.ScalarMap[str, int]
+    host_bytes: int
+    uptime_s: float
+    def __init__(self, engines: _Optional[int] = ..., slots: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., host_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("engine_id", "engine_name", "model", "layout", "namespace", "update_style", "slots", "lease_expires_unix_ms", "attached_ranks", "last_step")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_STYLE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    engine_name: str
+    model: str
+    layout: KvLayout
+    namespace: str
+    update_style: UpdateStyle
+    slots: int
+    lease_expires_unix_ms: int
+    attached_ranks: _containers.RepeatedScalarFieldContainer[int]
+    last_step: int
+    def __init__(self, engine_id: _Optional[str] = ..., engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., slots: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., attached_ranks: _Optional[_Iterable[int]] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class ListEnginesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListEnginesResponse(_message.Message):
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
+
+class SlotSummary(_message.Message):
+    __slots__ = ("request_id", "state", "tokens", "computed_tokens", "device_matched_tokens", "loaded_tokens", "stored_blocks", "ops_in_flight", "last_step")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: str
+    tokens: int
+    computed_tokens: int
+    device_matched_tokens: int
+    loaded_tokens: int
+    stored_blocks: int
+    ops_in_flight: int
+    last_step: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., device_matched_tokens: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
+
+class ListSlotsRequest(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
+
+class ListSlotsResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[SlotSummary]
+    def __init__(self, slots: _Optional[_Iterable[_Union[SlotSummary, _Mapping]]] = ...) -> None: ...
+
+class BlockState(_message.Message):
+    __slots__ = ("index", "hash", "state", "engine_block_id", "has_engine_block")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_ENGINE_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    hash: int
+    state: str
+    engine_block_id: int
+    has_engine_block: bool
+    def __init__(self, index: _Optional[int] = ..., hash: _Optional[int] = ..., state: _Optional[str] = ..., engine_block_id: _Optional[int] = ..., has_engine_block: _Optional[bool] = ...) -> None: ...
+
+class GetSlotRequest(_message.Message):
+    __slots__ = ("engine_id", "request_id")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GetSlotResponse(_message.Message):
+    __slots__ = ("summary", "blocks")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    summary: SlotSummary
+    blocks: _containers.RepeatedCompositeFieldContainer[BlockState]
+    def __init__(self, summary: _Optional[_Union[SlotSummary, _Mapping]] = ..., blocks: _Optional[_Iterable[_Union[BlockState, _Mapping]]] = ...) -> None: ...
+
+class GetBlockRequest(_message.Message):
+    __slots__ = ("engine_id", "hash")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    hash: int
+    def __init__(self, engine_id: _Optional[str] = ..., hash: _Optional[int] = ...) -> None: ...
+
+class GetBlockResponse(_message.Message):
+    __slots__ = ("found", "tiers", "state", "pins", "hits", "has_parent", "parent", "children")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    state: str
+    pins: int
+    hits: int
+    has_parent: bool
+    parent: int
+    children: int
+    def __init__(self, found: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., has_parent: _Optional[bool] = ..., parent: _Optional[int] = ..., children: _Optional[int] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("dropped_blocks", "kept_blocks")
+    DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    dropped_blocks: int
+    kept_blocks: int
+    def __init__(self, dropped_blocks: _Optional[int] = ..., kept_blocks: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""kvdepotd: the kvdepot daemon."""

@@ -1,0 +1,591 @@
+"""The Depot: the daemon's whole state and the one place that changes it. Pure and synchronous.
+
+Primitives (called by the service on the event loop, one at a time; `now_ms` is passed in):
+    register_engine / heartbeat / unregister_engine      engine lifecycle with a lease
+    lookup(...)  -> LookupResult      tokens beyond the engine's own hit the tiers hold; pins them
+    step(...)    -> StepPlan          applies slot updates, finishes, preemptions; returns new ops
+    forward_done(engine, rank, step)  a worker's forward for `step` ended: its stores may start
+    take_ready() -> [(Op, rank)]      op parts the copy engine should run now
+    complete_part(op_id, rank, failed_indices, message)   the copy engine's report for one part
+    expire(now_ms)                    ends ops, pins and leases past their deadlines
+    take_events() -> [OpCompleted | RequestReleased]      what the workers must be told
+    clear(), stats(), slot_blocks(), block_info()          admin and inspection
+
+Two-phase everywhere: a store allocates and marks the block STORING (never evicted, never
+allocated twice) and complete_part makes it RESIDENT or drops it; a lookup pins, the load op takes
+the pins over, and its completion unpins. Every op ends exactly once (ops.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from kvdepot.hashing import BlockHash, ChainHasher, block_hashes, salt_hash, scope_seed
+from kvdepot.layout import KvLayout
+from kvdepotd.core.errors import FailedPrecondition, InvalidRequest, NotFound
+from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, RequestId
+from kvdepotd.core.pool import BlockPool, SlabArena, SlotId
+from kvdepotd.core.registry import BlockEntry, BlockRegistry, BlockStatus, make_eviction_policy
+from kvdepotd.core.slots import BlockState, Phase, Slot, SlotUpdate, UpdateStyle, check_update, normalize
+
+MAX_LEASE_MS = 3_600_000
+MAX_ID_LEN = 256
+
+
+@dataclass(frozen=True, slots=True)
+class DepotConfig:
+    host_bytes: int
+    slab_bytes: int = 64 << 20
+    lease_ms: int = 30_000
+    pin_ms: int = 30_000
+    max_pin_ms: int = 600_000
+    op_timeout_ms: int = 30_000
+    max_tokens: int = 1 << 21
+    step_cache: int = 16
+    eviction_policy: str = "leaf-lru"
+
+
+@dataclass(slots=True)
+class Domain:
+    """One layout class in the host tier: its pool and registry, shared by engines of that class."""
+
+    layout_class: str
+    block_bytes: int
+    registry: BlockRegistry
+
+
+@dataclass(slots=True)
+class LookupPin:
+    hashes: list[BlockHash]
+    deadline_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matched_tokens: int
+    host_tokens: int
+    pin_deadline_ms: int
+    total_blocks: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int
+    ops: list[Op] = field(default_factory=list)
+    delay_free: list[RequestId] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class OpCompleted:
+    engine_id: EngineId
+    op: Op
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReleased:
+    engine_id: EngineId
+    request_id: RequestId
+
+
+@dataclass(slots=True)
+class Engine:
+    engine_id: EngineId
+    name: str
+    model: str
+    layout: KvLayout
+    namespace: str
+    style: UpdateStyle
+    lease_ms: int
+    lease_expires_ms: int
+    domain: Domain
+    slots: dict[RequestId, Slot] = field(default_factory=dict)
+    pins: dict[RequestId, LookupPin] = field(default_factory=dict)
+    last_step: int = -1
+    responses: OrderedDict[int, StepPlan] = field(default_factory=OrderedDict)
+
+    def seed(self, cache_salt: str, lora_name: str) -> int:
+        return scope_seed(salt_hash(cache_salt, lora_name), self.namespace, self.model)
+
+
+class Depot:
+    def __init__(self, config: DepotConfig) -> None:
+        self.config = config
+        make_eviction_policy(config.eviction_policy)  # fail early on an unknown name
+        self.host_arena = SlabArena(config.host_bytes, config.slab_bytes)
+        self.domains: dict[str, Domain] = {}
+        self.engines: dict[EngineId, Engine] = {}
+        self.ops = OpTable()
+        self.counters: Counter[str] = Counter()
+        self._ready: list[tuple[Op, int]] = []
+        self._events: list[OpCompleted | RequestReleased] = []
+        self._op_domain: dict[OpId, Domain] = {}
+        self._op_epoch: dict[OpId, int] = {}
+        self._slot_epoch: dict[tuple[EngineId, RequestId], int] = {}
+
+    # -- engines -------------------------------------------------------------------------------
+    def register_engine(
+        self,
+        engine_id: EngineId,
+        *,
+        name: str,
+        model: str,
+        layout: KvLayout,
+        namespace: str,
+        style: UpdateStyle,
+        lease_ms: int,
+        now_ms: int,
+    ) -> Engine:
+        try:
+            layout.validate()
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if not model:
+            raise InvalidRequest("model must name the model (blocks are shared only within one model)")
+        for label, text in (("engine name", name), ("model", model), ("namespace", namespace)):
+            if len(text) > MAX_ID_LEN:
+                raise InvalidRequest(f"{label} is longer than {MAX_ID_LEN} characters")
+        if lease_ms < 0 or lease_ms > MAX_LEASE_MS:
+            raise InvalidRequest(f"lease_ms must be in [0, {MAX_LEASE_MS}], got {lease_ms}")
+        lease = lease_ms or self.config.lease_ms
+        domain = self._domain(layout)
+        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain)
+        self.engines[engine_id] = eng
+        self.counters["engines_registered"] += 1
+        return eng
+
+    def heartbeat(self, engine_id: EngineId, now_ms: int) -> int:
+        eng = self._engine(engine_id)
+        eng.lease_expires_ms = now_ms + eng.lease_ms
+        return eng.lease_expires_ms
+
+    def unregister_engine(self, engine_id: EngineId, reason: str = "engine unregistered") -> int:
+        eng = self._engine(engine_id)
+        for op in [op for op in self.ops.ops.values() if op.engine_id == engine_id]:
+            ended = self.ops.end(op, reason)
+            if ended is not None:
+                self._op_ended(ended)
+        for rid in list(eng.pins):
+            self._release_pin(eng, rid)
+        released = len(eng.slots)
+        for rid in list(eng.slots):
+            self._release_slot(eng, rid)
+        self.ops.forget_engine(engine_id)
+        del self.engines[engine_id]
+        self._events = [e for e in self._events if e.engine_id != engine_id]
+        self.counters["engines_unregistered"] += 1
+        return released
+
+    def capacity_blocks(self, engine_id: EngineId) -> int:
+        return self._engine(engine_id).domain.registry.pool.capacity_blocks
+
+    # -- lookup --------------------------------------------------------------------------------
+    def lookup(
+        self,
+        engine_id: EngineId,
+        request_id: RequestId,
+        tokens: bytes,
+        *,
+        cache_salt: str,
+        lora_name: str,
+        device_matched_tokens: int,
+        pin_ms: int,
+        now_ms: int,
+    ) -> LookupResult:
+        eng = self._engine(engine_id)
+        bs = eng.layout.block_size
+        n = len(tokens) // 4
+        L = device_matched_tokens
+        if not request_id or len(request_id) > MAX_ID_LEN:
+            raise InvalidRequest(f"request id must have 1 to {MAX_ID_LEN} characters")
+        if n > self.config.max_tokens:
+            raise InvalidRequest(f"{n} tokens is over the limit of {self.config.max_tokens}")
+        if L > n:
+            raise InvalidRequest(f"device_matched_tokens {L} exceeds the prompt's {n} tokens")
+        if pin_ms < 0 or pin_ms > self.config.max_pin_ms:
+            raise InvalidRequest(f"pin_ms must be in [0, {self.config.max_pin_ms}], got {pin_ms}")
+        self.counters["lookups"] += 1
+        self._release_pin(eng, request_id)  # a repeated lookup replaces the earlier answer
+        first = L // bs
+        # The last prompt token is always recomputed (the engine needs its logits), so never offer it.
+        offerable = max(0, (n - 1) // bs - first) if n else 0
+        hit: list[BlockHash] = []
+        if L % bs == 0 and offerable:
+            hit = self._match(eng, tokens, eng.seed(cache_salt, lora_name), first, offerable)
+        deadline = now_ms + (pin_ms or self.config.pin_ms)
+        if hit:
+            reg = eng.domain.registry
+            for h in hit:
+                reg.pin(h)
+            reg.touch(hit)
+            eng.pins[request_id] = LookupPin(hit, deadline)
+        matched = len(hit) * bs
+        self.counters["lookup_hit_tokens"] += matched
+        return LookupResult(matched, matched, deadline if hit else 0, n // bs)
+
+    def _match(self, eng: Engine, tokens: bytes, seed: int, first: int, limit: int) -> list[BlockHash]:
+        """Resident blocks from `first` on, stopping at the first miss; hashes in chunks so a miss
+        early in a long prompt costs little."""
+        reg = eng.domain.registry
+        bs = eng.layout.block_size
+        prefix = block_hashes(tokens, bs, seed, limit=first) if first else []
+        prev = prefix[-1] if prefix else None
+        out: list[BlockHash] = []
+        chunk = 32
+        while len(out) < limit:
+            hs = block_hashes(tokens, bs, seed, start_block=first + len(out), prev=prev, limit=min(chunk, limit - len(out)))
+            if not hs:
+                break
+            n = reg.lookup(hs)
+            out += hs[:n]
+            if n < len(hs):
+                break
+            prev = hs[-1]
+            chunk *= 4
+        return out
+
+    # -- step ----------------------------------------------------------------------------------
+    def step(
+        self,
+        engine_id: EngineId,
+        step: int,
+        updates: list[SlotUpdate],
+        finished: list[RequestId],
+        preempted: list[RequestId],
+        now_ms: int,
+    ) -> StepPlan:
+        eng = self._engine(engine_id)
+        if (cached := eng.responses.get(step)) is not None:
+            self.counters["steps_repeated"] += 1
+            return cached  # rule 5: a repeated step is answered the same and changes nothing
+        if step <= eng.last_step:
+            raise FailedPrecondition(f"step {step} is older than the engine's last step {eng.last_step}")
+        ups = self._check_step(eng, updates, finished, preempted)
+        plan = StepPlan(step)
+        for rid in preempted:
+            self._preempt(eng, rid)
+        for u in ups:
+            self._apply(eng, u, step, now_ms, plan)
+        for rid in finished:
+            self._finish(eng, rid, plan)
+        eng.last_step = step
+        eng.responses[step] = plan
+        while len(eng.responses) > self.config.step_cache:
+            eng.responses.popitem(last=False)
+        self.counters["steps"] += 1
+        return plan
+
+    def _check_step(
+        self, eng: Engine, updates: list[SlotUpdate], finished: list[RequestId], preempted: list[RequestId]
+    ) -> list[SlotUpdate]:
+        seen: set[str] = set()
+        out: list[SlotUpdate] = []
+        bs = eng.layout.block_size
+        for u in updates:
+            if u.request_id in seen:
+                raise InvalidRequest(f"request {u.request_id} appears twice in one step")
+            seen.add(u.request_id)
+            if len(u.request_id) > MAX_ID_LEN:
+                raise InvalidRequest(f"request id longer than {MAX_ID_LEN} characters")
+            u = normalize(u, eng.style)
+            check_update(u, eng.slots.get(u.request_id), bs, self.config.max_tokens)
+            out.append(u)
+        both = seen & (set(finished) | set(preempted))
+        if both:
+            raise InvalidRequest(f"request {sorted(both)[0]} is both updated and finished/preempted in one step")
+        return out
+
+    def _apply(self, eng: Engine, u: SlotUpdate, step: int, now_ms: int, plan: StepPlan) -> None:
+        slot = eng.slots.get(u.request_id)
+        C, S = u.computed_tokens, u.scheduled_tokens
+        if slot is None:
+            slot = Slot(u.request_id, ChainHasher(eng.layout.block_size, eng.seed(u.cache_salt, u.lora_name)), eng.layout.block_size)
+            eng.slots[u.request_id] = slot
+            self.counters["slots_created"] += 1
+        if u.is_new and not self._continues(slot, u):
+            if slot.last_step >= 0:
+                self._cancel_waiting_stores(eng, slot, "request restarted")
+                self._bump_epoch(eng, slot)
+            slot.append_tokens(u.new_tokens)
+            loads = slot.start_device_state(u.device_matched_tokens, u.loaded_tokens, list(u.new_block_ids))
+            if loads:
+                self._plan_load(eng, slot, loads, step, now_ms, plan)
+            else:
+                self._release_pin(eng, slot.request_id)
+        else:
+            slot.append_tokens(u.new_tokens)
+            if u.is_new:  # the same request again, e.g. scheduled after its async load: a fuller table
+                slot.block_table = list(u.new_block_ids)
+            else:
+                slot.block_table += u.new_block_ids
+            if C < slot.computed:
+                slot.rewind(C)  # rule 6: the engine's numbers win
+        slot.computed = C + S
+        slot.last_step = step
+        self._plan_store(eng, slot, slot.store_candidates(C + S), step, now_ms, plan)
+
+    @staticmethod
+    def _continues(slot: Slot, u: SlotUpdate) -> bool:
+        """A new update for a slot that is already running with the same L and E and a block table
+        that extends the known one (vLLM schedules a request as new after its async load)."""
+        return (
+            slot.phase is Phase.ACTIVE
+            and slot.last_step >= 0
+            and u.device_matched_tokens == slot.device_matched
+            and u.loaded_tokens == slot.loaded
+            and list(u.new_block_ids[: len(slot.block_table)]) == slot.block_table
+        )
+
+    def _plan_load(self, eng: Engine, slot: Slot, targets: range, step: int, now_ms: int, plan: StepPlan) -> None:
+        """Rule 2: load targets are in flight from the daemon. The op takes its own pins (blocks
+        the lookup pinned are still resident); a target no tier holds fails at once (recompute)."""
+        reg = eng.domain.registry
+        idx = list(targets)
+        hashes = [slot.hashes[i] for i in idx]
+        tier_slots: list[SlotId | None] = []
+        failed: set[int] = set()
+        for i, h in zip(idx, hashes):
+            e = reg.state_of(h)
+            if e is not None and e.status is BlockStatus.RESIDENT:
+                reg.pin(h)
+                tier_slots.append(e.slot)
+            else:
+                tier_slots.append(None)
+                failed.add(i)
+        self._release_pin(eng, slot.request_id)
+        reg.touch(hashes)
+        op = self._new_op(eng, slot, OpKind.LOAD, idx, hashes, tier_slots, step, now_ms)
+        op.failed = failed
+        if failed:
+            op.message = "blocks not resident in any tier"
+        self.counters["load_blocks_planned"] += len(idx)
+        self._add_op(eng, slot, op, plan)
+
+    def _plan_store(self, eng: Engine, slot: Slot, candidates: list[int], step: int, now_ms: int, plan: StepPlan) -> None:
+        """Rule 3: check the registry before allocating; resident or in-flight hashes are skipped."""
+        if not candidates:
+            return
+        reg = eng.domain.registry
+        idx: list[int] = []
+        tier_slots: list[SlotId | None] = []
+        for i in candidates:
+            h = slot.hashes[i]
+            if reg.state_of(h) is not None:
+                slot.states[i] = BlockState.ALREADY_CACHED
+                reg.touch([h])
+                self.counters["store_blocks_already_cached"] += 1
+                continue
+            tslot = reg.prepare_store(h, slot.hashes[i - 1] if i else None)
+            if tslot is None:
+                slot.states[i] = BlockState.NOT_STORED
+                self.counters["store_blocks_tier_full"] += 1
+                continue
+            slot.states[i] = BlockState.STORING
+            idx.append(i)
+            tier_slots.append(tslot)
+        if idx:
+            hashes = [slot.hashes[i] for i in idx]
+            self.counters["store_blocks_planned"] += len(idx)
+            self._add_op(eng, slot, self._new_op(eng, slot, OpKind.STORE, idx, hashes, tier_slots, step, now_ms), plan)
+
+    def _new_op(
+        self,
+        eng: Engine,
+        slot: Slot,
+        kind: OpKind,
+        idx: list[int],
+        hashes: list[BlockHash],
+        tier_slots: list[SlotId | None],
+        step: int,
+        now_ms: int,
+    ) -> Op:
+        return Op(
+            op_id=self.ops.new_id(),
+            kind=kind,
+            engine_id=eng.engine_id,
+            request_id=slot.request_id,
+            block_indices=idx,
+            block_ids=[slot.block_table[i] for i in idx],
+            hashes=hashes,
+            tier_slots=tier_slots,
+            step=step,
+            deadline_ms=now_ms + self.config.op_timeout_ms,
+            world_size=eng.layout.world_size,
+        )
+
+    def _add_op(self, eng: Engine, slot: Slot, op: Op, plan: StepPlan) -> None:
+        slot.ops.add(op.op_id)
+        self._op_domain[op.op_id] = eng.domain
+        self._op_epoch[op.op_id] = self._slot_epoch.get((eng.engine_id, slot.request_id), 0)
+        plan.ops.append(op)
+        self._ready += self.ops.add(op)
+
+    def _preempt(self, eng: Engine, rid: RequestId) -> None:
+        slot = eng.slots.get(rid)
+        if slot is None or slot.phase is not Phase.ACTIVE:
+            self.counters["preempted_unknown"] += 1
+            return
+        self._cancel_waiting_stores(eng, slot, "request preempted")
+        self._bump_epoch(eng, slot)
+        slot.preempt()
+        self.counters["preemptions"] += 1
+
+    def _finish(self, eng: Engine, rid: RequestId, plan: StepPlan) -> None:
+        self._release_pin(eng, rid)
+        slot = eng.slots.get(rid)
+        if slot is None or slot.phase is Phase.FINISHING:
+            return  # never scheduled, or already finishing: finishing is idempotent
+        if slot.ops:
+            slot.phase = Phase.FINISHING
+            plan.delay_free.append(rid)
+        else:
+            self._release_slot(eng, rid)
+
+    def _cancel_waiting_stores(self, eng: Engine, slot: Slot, reason: str) -> None:
+        """Stores whose forward no rank reported yet read engine blocks that are about to be reused."""
+        for op_id in list(slot.ops):
+            op = self.ops.ops.get(op_id)
+            if op is not None and op.kind is OpKind.STORE and self.ops.is_waiting_forward(op):
+                ended = self.ops.end(op, reason)
+                if ended is not None:
+                    self._op_ended(ended)
+
+    def _bump_epoch(self, eng: Engine, slot: Slot) -> None:
+        key = (eng.engine_id, slot.request_id)
+        self._slot_epoch[key] = self._slot_epoch.get(key, 0) + 1
+
+    # -- workers and the copy engine ------------------------------------------------------------
+    def forward_done(self, engine_id: EngineId, rank: int, step: int) -> None:
+        eng = self._engine(engine_id)
+        if not 0 <= rank < eng.layout.world_size:
+            raise InvalidRequest(f"rank {rank} is outside the engine's world size {eng.layout.world_size}")
+        self._ready += self.ops.forward_done(engine_id, rank, step)
+
+    def take_ready(self) -> list[tuple[Op, int]]:
+        ready, self._ready = self._ready, []
+        return [(op, r) for op, r in ready if op.op_id in self.ops.ops]
+
+    def complete_part(self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "") -> None:
+        op = self.ops.finish_part(op_id, rank, failed, message)
+        if op is not None:
+            self._op_ended(op)
+
+    def _op_ended(self, op: Op) -> None:
+        domain = self._op_domain.pop(op.op_id)
+        epoch = self._op_epoch.pop(op.op_id)
+        reg = domain.registry
+        eng = self.engines.get(op.engine_id)
+        slot = eng.slots.get(op.request_id) if eng is not None else None
+        current = slot is not None and self._slot_epoch.get((op.engine_id, op.request_id), 0) == epoch
+        kind = op.kind
+        for i, h, s in zip(op.block_indices, op.hashes, op.tier_slots):
+            ok = i not in op.failed
+            if kind is OpKind.STORE:
+                reg.complete_store(h, ok)
+                self.counters["stored_blocks" if ok else "store_failed_blocks"] += 1
+                if slot is not None and slot.states[i] is BlockState.STORING:
+                    slot.states[i] = BlockState.STORED if ok else BlockState.STORE_FAILED
+                    slot.stored_blocks += ok
+            else:
+                if s is not None:
+                    reg.unpin(h)
+                self.counters["loaded_blocks" if ok else "load_failed_blocks"] += 1
+                if current and slot is not None and slot.states[i] is BlockState.LOADING:
+                    slot.states[i] = BlockState.LOADED if ok else BlockState.LOAD_FAILED
+        if op.message == "deadline exceeded":
+            self.counters["ops_expired"] += 1
+        if eng is None:
+            return
+        self._events.append(OpCompleted(eng.engine_id, op))
+        if slot is not None:
+            slot.ops.discard(op.op_id)
+            if slot.phase is Phase.FINISHING and not slot.ops:
+                self._release_slot(eng, slot.request_id)
+                self._events.append(RequestReleased(eng.engine_id, slot.request_id))
+
+    def take_events(self) -> list[OpCompleted | RequestReleased]:
+        events, self._events = self._events, []
+        return events
+
+    # -- time ------------------------------------------------------------------------------------
+    def expire(self, now_ms: int) -> None:
+        for op in self.ops.expired(now_ms):
+            ended = self.ops.end(op, "deadline exceeded")
+            if ended is not None:
+                self._op_ended(ended)
+        for eng in list(self.engines.values()):
+            for rid in [rid for rid, p in eng.pins.items() if p.deadline_ms <= now_ms]:
+                self._release_pin(eng, rid)
+                self.counters["pins_expired"] += 1
+            if eng.lease_expires_ms <= now_ms:
+                self.counters["leases_expired"] += 1
+                self.unregister_engine(eng.engine_id, "engine lease expired")
+
+    # -- admin and inspection --------------------------------------------------------------------
+    def clear(self) -> tuple[int, int]:
+        dropped = kept = 0
+        for d in self.domains.values():
+            a, b = d.registry.clear()
+            dropped += a
+            kept += b
+        self.counters["cleared_blocks"] += dropped
+        return dropped, kept
+
+    def slot(self, engine_id: EngineId, request_id: RequestId) -> Slot:
+        slot = self._engine(engine_id).slots.get(request_id)
+        if slot is None:
+            raise NotFound(f"engine {engine_id} has no request {request_id}")
+        return slot
+
+    def block_info(self, engine_id: EngineId, h: BlockHash) -> BlockEntry | None:
+        return self._engine(engine_id).domain.registry.state_of(h)
+
+    def all_counters(self) -> dict[str, int]:
+        out = dict(self.counters)
+        out["evictions"] = sum(d.registry.evictions for d in self.domains.values())
+        return out
+
+    def check_invariants(self) -> None:
+        for d in self.domains.values():
+            d.registry.check_invariants()
+        pinned_by_lookups: Counter[BlockHash] = Counter()
+        for eng in self.engines.values():
+            for p in eng.pins.values():
+                pinned_by_lookups.update(p.hashes)
+            for slot in eng.slots.values():
+                for op_id in slot.ops:
+                    assert op_id in self.ops.ops, f"slot {slot.request_id} holds ended op {op_id}"
+        for op in self.ops.ops.values():
+            if op.kind is OpKind.LOAD:
+                pinned_by_lookups.update(h for h, s in zip(op.hashes, op.tier_slots) if s is not None)
+        pins: Counter[BlockHash] = Counter()
+        for d in self.domains.values():
+            pins.update({h: e.pins for h, e in d.registry.entries.items() if e.pins})
+        assert pins == pinned_by_lookups, "a pin leaked or went missing"
+
+    # -- internals -------------------------------------------------------------------------------
+    def _engine(self, engine_id: EngineId) -> Engine:
+        eng = self.engines.get(engine_id)
+        if eng is None:
+            raise NotFound(f"engine {engine_id!r} is not registered (or its lease expired): register again")
+        return eng
+
+    def _domain(self, layout: KvLayout) -> Domain:
+        key = layout.layout_class
+        d = self.domains.get(key)
+        if d is None:
+            pool = BlockPool(key, layout.block_bytes, self.host_arena)
+            d = Domain(key, layout.block_bytes, BlockRegistry(pool, make_eviction_policy(self.config.eviction_policy)))
+            self.domains[key] = d
+        return d
+
+    def _release_pin(self, eng: Engine, rid: RequestId) -> None:
+        pin = eng.pins.pop(rid, None)
+        if pin is not None:
+            for h in pin.hashes:
+                eng.domain.registry.unpin(h)
+
+    def _release_slot(self, eng: Engine, rid: RequestId) -> None:
+        del eng.slots[rid]
+        self._slot_epoch.pop((eng.engine_id, rid), None)
+        self.counters["slots_released"] += 1

@@ -1,0 +1,18 @@
+"""The three kinds of error (STYLE.md 5). "Not now" is a value; a caller mistake raises one of
+these; a broken invariant asserts. Only kvdepotd.errors maps them to gRPC status codes."""
+
+
+class DepotError(Exception):
+    """A caller mistake. The message says what was wrong; state is unchanged when it is raised."""
+
+
+class InvalidRequest(DepotError):
+    """The request itself is malformed or inconsistent (INVALID_ARGUMENT)."""
+
+
+class NotFound(DepotError):
+    """An engine, request or block id the daemon does not know (NOT_FOUND)."""
+
+
+class FailedPrecondition(DepotError):
+    """Well-formed, but not valid in the current state (FAILED_PRECONDITION)."""

@@ -1,0 +1,139 @@
+"""Ops: one load or store of a set of blocks for one request, run on every rank of its engine.
+
+Primitives:
+    Op                        the record; `parts` are ranks still to run, `failed` block indices
+    OpTable.add(op) -> list[(op, rank)]       parts ready to run at once (loads; stores whose forward is done)
+    OpTable.forward_done(engine, rank, step) -> list[(op, rank)]   store parts that may start now
+    OpTable.finish_part(op_id, rank, failed) -> Op | None          the op when its last part ended
+    OpTable.expired(now_ms) -> list[Op]      ops past their deadline (their unfinished parts count as failed)
+
+Every op ends exactly once: all parts reported, its deadline, or cancellation. A part reported
+for an op that already ended (late completion, daemon restart of a worker) is ignored.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+from kvdepot.hashing import BlockHash
+from kvdepotd.core.pool import SlotId
+
+OpId = NewType("OpId", int)
+EngineId = NewType("EngineId", str)
+RequestId = NewType("RequestId", str)
+
+
+class OpKind(enum.Enum):
+    LOAD = "LOAD"
+    STORE = "STORE"
+
+
+@dataclass(slots=True)
+class Op:
+    op_id: OpId
+    kind: OpKind
+    engine_id: EngineId
+    request_id: RequestId
+    block_indices: list[int]
+    block_ids: list[int]  # engine block ids, same order
+    hashes: list[BlockHash]
+    tier_slots: list[SlotId | None]  # host slots (None for blocks that failed up front)
+    step: int
+    deadline_ms: int
+    world_size: int
+    parts_left: set[int] = field(default_factory=set)  # ranks not yet reported
+    started: set[int] = field(default_factory=set)  # ranks handed to the copy engine
+    failed: set[int] = field(default_factory=set)  # block indices that failed on some rank
+    message: str = ""
+
+    @property
+    def success(self) -> bool:
+        return not self.failed
+
+    def failed_block_ids(self) -> list[int]:
+        return [b for i, b in zip(self.block_indices, self.block_ids) if i in self.failed]
+
+
+class OpTable:
+    def __init__(self) -> None:
+        self.ops: dict[OpId, Op] = {}
+        self._next_id = 1
+        self._forward_done: dict[tuple[EngineId, int], int] = {}  # (engine, rank) -> last step done
+        self._waiting: dict[EngineId, list[Op]] = {}  # store ops waiting for some rank's forward
+
+    def new_id(self) -> OpId:
+        op_id = OpId(self._next_id)
+        self._next_id += 1
+        return op_id
+
+    def add(self, op: Op) -> list[tuple[Op, int]]:
+        op.parts_left = set(range(op.world_size))
+        self.ops[op.op_id] = op
+        if op.kind is OpKind.LOAD:
+            return self._start(op, list(range(op.world_size)))
+        ready = [r for r in range(op.world_size) if self._forward_done.get((op.engine_id, r), -1) >= op.step]
+        if len(ready) < op.world_size:
+            self._waiting.setdefault(op.engine_id, []).append(op)
+        return self._start(op, ready)
+
+    def forward_done(self, engine_id: EngineId, rank: int, step: int) -> list[tuple[Op, int]]:
+        key = (engine_id, rank)
+        if step <= self._forward_done.get(key, -1):
+            return []
+        self._forward_done[key] = step
+        waiting = self._waiting.get(engine_id)
+        if not waiting:
+            return []
+        ready: list[tuple[Op, int]] = []
+        keep: list[Op] = []
+        for op in waiting:
+            if op.op_id not in self.ops:
+                continue
+            if op.step <= step and rank not in op.started:
+                ready += self._start(op, [rank])
+            if len(op.started) < op.world_size:
+                keep.append(op)
+        self._waiting[engine_id] = keep
+        return ready
+
+    def is_waiting_forward(self, op: Op) -> bool:
+        """True while no rank has started the op (it can still be cancelled without touching bytes)."""
+        return not op.started
+
+    def finish_part(self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "") -> Op | None:
+        op = self.ops.get(op_id)
+        if op is None or rank not in op.parts_left:
+            return None
+        op.parts_left.discard(rank)
+        if failed:
+            op.failed.update(failed)
+            op.message = op.message or message
+        if op.parts_left:
+            return None
+        del self.ops[op_id]
+        return op
+
+    def end(self, op: Op, message: str) -> Op | None:
+        """Ends an op now: every block of every unfinished part fails. None if it had ended already."""
+        if self.ops.pop(op.op_id, None) is None:
+            return None
+        if op.parts_left:
+            op.failed.update(op.block_indices)
+            op.parts_left.clear()
+            op.message = op.message or message
+        return op
+
+    def expired(self, now_ms: int) -> list[Op]:
+        return [op for op in self.ops.values() if op.deadline_ms <= now_ms]
+
+    def forget_engine(self, engine_id: EngineId) -> None:
+        self._waiting.pop(engine_id, None)
+        for key in [k for k in self._forward_done if k[0] == engine_id]:
+            del self._forward_done[key]
+
+    @staticmethod
+    def _start(op: Op, ranks: list[int]) -> list[tuple[Op, int]]:
+        op.started.update(ranks)
+        return [(op, r) for r in ranks]

@@ -1,0 +1,98 @@
+"""Fixed-slab pool accounting for one tier.
+
+Primitives:
+    SlabArena(total_bytes, slab_bytes)   the tier's byte budget, handed out in slabs
+    BlockPool(layout_class, block_bytes, arena)
+        allocate() -> SlotId | None      O(1); None when neither a free slot nor a new slab is left
+        free(slot)                       O(1); freeing a free slot asserts (no double free)
+        num_free / num_used / capacity_blocks
+
+A slab holds `blocks_per_slab` blocks of one layout class, so all blocks of a pool have one size:
+no fragmentation, and a slot id maps to (slab, offset) by division. Slabs are claimed lazily, so
+several layout classes share one budget. Slabs are not returned to the arena (classes are few
+and long-lived). Eviction is not the pool's business: the registry frees slots.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+SlotId = NewType("SlotId", int)
+
+
+class SlabArena:
+    """A tier's byte budget. Accounting only: the bytes themselves live in storage/."""
+
+    def __init__(self, total_bytes: int, slab_bytes: int) -> None:
+        if total_bytes < 0 or slab_bytes <= 0:
+            raise ValueError(f"bad arena size: total {total_bytes}, slab {slab_bytes}")
+        self.total_bytes = total_bytes
+        self.slab_bytes = slab_bytes
+        self.used_bytes = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.total_bytes - self.used_bytes
+
+    def slab_size_for(self, block_bytes: int) -> tuple[int, int]:
+        """(blocks per slab, slab bytes) for a block size; a block larger than a slab gets a slab of its own."""
+        per_slab = max(1, self.slab_bytes // block_bytes)
+        return per_slab, per_slab * block_bytes
+
+    def claim(self, nbytes: int) -> bool:
+        if nbytes > self.free_bytes:
+            return False
+        self.used_bytes += nbytes
+        return True
+
+
+class BlockPool:
+    """Slots of one layout class in one tier."""
+
+    def __init__(self, layout_class: str, block_bytes: int, arena: SlabArena) -> None:
+        self.layout_class = layout_class
+        self.block_bytes = block_bytes
+        self._arena = arena
+        self.blocks_per_slab, self._slab_bytes = arena.slab_size_for(block_bytes)
+        self.num_slabs = 0
+        self._free: list[SlotId] = []
+        self._is_free: bytearray = bytearray()  # per slot: 1 = free; guards double free
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_slabs * self.blocks_per_slab
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    @property
+    def capacity_blocks(self) -> int:
+        """Slots this pool has plus those it could still claim from the arena."""
+        return self.num_slots + (self._arena.free_bytes // self._slab_bytes) * self.blocks_per_slab
+
+    def allocate(self) -> SlotId | None:
+        if not self._free and not self._grow():
+            return None
+        slot = self._free.pop()
+        self._is_free[slot] = 0
+        return slot
+
+    def free(self, slot: SlotId) -> None:
+        assert 0 <= slot < self.num_slots and not self._is_free[slot], f"double free of slot {slot}"
+        self._is_free[slot] = 1
+        self._free.append(slot)
+
+    def _grow(self) -> bool:
+        if not self._arena.claim(self._slab_bytes):
+            return False
+        first = self.num_slots
+        self.num_slabs += 1
+        self._is_free.extend(b"\x01" * self.blocks_per_slab)
+        # Reversed so that pop() hands out low slot ids first (easier to read in tests and logs).
+        self._free.extend(SlotId(i) for i in range(self.num_slots - 1, first - 1, -1))
+        return True

@@ -1,0 +1,234 @@
+"""The block registry of one layout class in one tier: hash -> entry, plus prefix-aware eviction.
+
+Primitives (all synchronous; the caller is the Depot, on one thread):
+    lookup(hashes) -> int              leading hashes that are RESIDENT (a prefix match stops at the first miss)
+    state_of(hash) -> BlockEntry|None  resident or being stored ("in flight")
+    prepare_store(hash, parent) -> SlotId | None
+                                       allocates a slot (evicting if it must) and records the block
+                                       as STORING; None when the tier is full of pinned/in-flight blocks
+    complete_store(hash, success)      STORING -> RESIDENT, or drops the block and frees its slot
+    pin(hash) / unpin(hash)            a pin is a count; pinned blocks are never evicted
+    touch(hashes)                      marks use, for LRU
+    clear() -> (dropped, kept)         drops every block that is neither pinned nor in flight
+
+Invariants (checked by check_invariants(), exercised by hypothesis):
+    * every entry holds exactly one slot of the pool; used slots == entries
+    * children[h] == number of entries whose parent is h
+    * an evicted block is a leaf (no child entries), not pinned, not STORING
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from kvdepot.hashing import BlockHash
+from kvdepotd.core.pool import BlockPool, SlotId
+
+
+class BlockStatus(enum.Enum):
+    STORING = "STORING"  # a store op is copying it in; not loadable, never evicted
+    RESIDENT = "RESIDENT"
+
+
+@dataclass(slots=True)
+class BlockEntry:
+    hash: BlockHash
+    parent: BlockHash | None
+    slot: SlotId
+    status: BlockStatus = BlockStatus.STORING
+    pins: int = 0
+    children: int = 0  # entries (in this registry) whose parent is this block
+    last_use: int = 0  # logical clock; LRU order
+    hits: int = 0
+
+    @property
+    def evictable(self) -> bool:
+        return self.status is BlockStatus.RESIDENT and self.pins == 0 and self.children == 0
+
+
+class EvictionPolicy(ABC):
+    """Chooses which evictable block goes first.
+
+    Contract: `offer(entry)` is called whenever an entry may have become evictable or its last use
+    changed; `pop(entries)` returns the hash of one entry that is evictable *now* (it must check,
+    since offers go stale) or None when there is none, and forgets it. Policies never mutate entries.
+    """
+
+    @abstractmethod
+    def offer(self, entry: BlockEntry) -> None: ...
+
+    @abstractmethod
+    def pop(self, entries: dict[BlockHash, BlockEntry]) -> BlockHash | None: ...
+
+
+class LeafLruPolicy(EvictionPolicy):
+    """Leaves first (a parent evicted before its children would strand them), LRU among leaves.
+
+    A heap of (last_use, hash) offers with lazy deletion: an offer is valid only if the entry still
+    exists, is evictable and has the same last_use. O(log n) per offer and eviction.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, BlockHash]] = []
+
+    def offer(self, entry: BlockEntry) -> None:
+        if entry.evictable:
+            heapq.heappush(self._heap, (entry.last_use, entry.hash))
+
+    def pop(self, entries: dict[BlockHash, BlockEntry]) -> BlockHash | None:
+        heap = self._heap
+        while heap:
+            last_use, h = heapq.heappop(heap)
+            e = entries.get(h)
+            if e is not None and e.evictable and e.last_use == last_use:
+                return h
+        return None
+
+    def compact(self, entries: dict[BlockHash, BlockEntry]) -> None:
+        self._heap = [(e.last_use, e.hash) for e in entries.values() if e.evictable]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+EVICTION_POLICIES: dict[str, type[LeafLruPolicy]] = {"leaf-lru": LeafLruPolicy}
+
+
+def make_eviction_policy(name: str) -> LeafLruPolicy:
+    try:
+        return EVICTION_POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(EVICTION_POLICIES)}") from None
+
+
+class BlockRegistry:
+    def __init__(self, pool: BlockPool, policy: LeafLruPolicy | None = None) -> None:
+        self.pool = pool
+        self.entries: dict[BlockHash, BlockEntry] = {}
+        self._policy = policy or LeafLruPolicy()
+        self._clock = 0
+        self._child_count: dict[BlockHash, int] = {}  # parent hash -> entries naming it, present or not
+        self.num_pinned = 0  # entries with pins > 0
+        self.num_storing = 0
+        self.evictions = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    def state_of(self, h: BlockHash) -> BlockEntry | None:
+        return self.entries.get(h)
+
+    def lookup(self, hashes: list[BlockHash]) -> int:
+        n = 0
+        entries = self.entries
+        for h in hashes:
+            e = entries.get(h)
+            if e is None or e.status is not BlockStatus.RESIDENT:
+                break
+            n += 1
+        return n
+
+    # -- two-phase store ---------------------------------------------------------------------
+    def prepare_store(self, h: BlockHash, parent: BlockHash | None) -> SlotId | None:
+        assert h not in self.entries, "prepare_store of a block already resident or in flight"
+        slot = self.pool.allocate()
+        while slot is None:
+            if not self._evict_one():
+                return None
+            slot = self.pool.allocate()
+        e = BlockEntry(hash=h, parent=parent, slot=slot, last_use=self._tick(), children=self._child_count.get(h, 0))
+        self.entries[h] = e
+        self.num_storing += 1
+        if parent is not None:
+            self._child_count[parent] = self._child_count.get(parent, 0) + 1
+            if (p := self.entries.get(parent)) is not None:
+                p.children += 1
+        return slot
+
+    def complete_store(self, h: BlockHash, success: bool) -> None:
+        e = self.entries[h]
+        assert e.status is BlockStatus.STORING, f"complete_store of a {e.status.value} block"
+        self.num_storing -= 1
+        if success:
+            e.status = BlockStatus.RESIDENT
+            self._policy.offer(e)
+        else:
+            self._drop(e)
+
+    # -- pins and use ----------------------------------------------------------------------
+    def pin(self, h: BlockHash) -> None:
+        e = self.entries[h]
+        if e.pins == 0:
+            self.num_pinned += 1
+        e.pins += 1
+
+    def unpin(self, h: BlockHash) -> None:
+        e = self.entries.get(h)
+        assert e is not None and e.pins > 0, "unpin of a block that is not pinned"
+        e.pins -= 1
+        if e.pins == 0:
+            self.num_pinned -= 1
+            self._policy.offer(e)
+
+    def touch(self, hashes: list[BlockHash]) -> None:
+        for h in hashes:
+            e = self.entries.get(h)
+            if e is not None:
+                e.last_use = self._tick()
+                e.hits += 1
+                self._policy.offer(e)
+        if len(self._policy) > 4 * len(self.entries) + 1024:
+            self._policy.compact(self.entries)
+
+    def clear(self) -> tuple[int, int]:
+        """Drops every block that is neither pinned nor in flight (children first, so parents become leaves)."""
+        dropped = 0
+        while self._evict_one():
+            dropped += 1
+        return dropped, len(self.entries)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _evict_one(self) -> bool:
+        h = self._policy.pop(self.entries)
+        if h is None:
+            return False
+        self._drop(self.entries[h])
+        self.evictions += 1
+        return True
+
+    def _drop(self, e: BlockEntry) -> None:
+        assert e.pins == 0 or e.status is BlockStatus.STORING
+        del self.entries[e.hash]
+        if e.pins:
+            self.num_pinned -= 1
+        self.pool.free(e.slot)
+        if e.parent is not None:
+            left = self._child_count[e.parent] - 1
+            if left:
+                self._child_count[e.parent] = left
+            else:
+                del self._child_count[e.parent]
+            if (p := self.entries.get(e.parent)) is not None:
+                p.children -= 1
+                self._policy.offer(p)
+
+    def check_invariants(self) -> None:
+        assert self.pool.num_used == len(self.entries), (self.pool.num_used, len(self.entries))
+        slots = {e.slot for e in self.entries.values()}
+        assert len(slots) == len(self.entries), "two entries share a slot"
+        children: dict[BlockHash, int] = {}
+        for e in self.entries.values():
+            if e.parent is not None:
+                children[e.parent] = children.get(e.parent, 0) + 1
+        assert children == self._child_count, "child index drifted"
+        for e in self.entries.values():
+            assert e.children == children.get(e.hash, 0), f"children count of {e.hash} drifted"
+            assert e.pins >= 0
+        assert self.num_pinned == sum(1 for e in self.entries.values() if e.pins > 0)
+        assert self.num_storing == sum(1 for e in self.entries.values() if e.status is BlockStatus.STORING)

@@ -1,0 +1,206 @@
+"""Slots: the daemon's record of one request of one engine, and the rules that turn slot updates
+into plans (DESIGN.md "Slot semantics"; each rule is a test in tests/unit/test_scenarios.py).
+
+Primitives:
+    SlotUpdate                     one engine-neutral update (L, E, computed, scheduled, tokens, blocks)
+    normalize(update, style, slot) the update in vLLM terms (TensorRT-LLM's computed_position differs)
+    check_update(update, slot, block_size)   raises InvalidRequest/FailedPrecondition; changes nothing
+    Slot.start_device_state(...)   (re)starts the request on the engine: L, E, block table  (rule 1, 2, 7)
+    Slot.append(update)            tokens and block ids since the last update (rule 6)
+    Slot.store_candidates(end)     block indices that are full, computed and undecided  (rule 4)
+
+Per-block states make the bookkeeping explicit: a block is decided exactly once per device
+residency, so no positional counter can drift (Dynamo's current_position / evaluated_blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvdepot.hashing import BlockHash, ChainHasher
+from kvdepotd.core.errors import FailedPrecondition, InvalidRequest, NotFound
+from kvdepotd.core.ops import OpId, RequestId
+
+
+class UpdateStyle(enum.Enum):
+    VLLM = "vllm"  # computed_tokens = num_computed_tokens (L+E on a new request)
+    TRTLLM = "trtllm"  # computed_tokens = computed_position (excludes a sync load on a new request)
+
+
+class BlockState(enum.Enum):
+    PENDING = "PENDING"  # not yet full and computed, or not yet decided
+    DEVICE_HIT = "DEVICE_HIT"  # the engine's own prefix cache: never loaded into, never stored (rule 1)
+    LOADING = "LOADING"  # load target in flight from the daemon (rule 2)
+    LOADED = "LOADED"
+    LOAD_FAILED = "LOAD_FAILED"  # the engine recomputes it; it becomes PENDING again when rewound
+    STORING = "STORING"
+    STORED = "STORED"
+    ALREADY_CACHED = "ALREADY_CACHED"  # resident or in flight when it became a candidate (rule 3)
+    STORE_FAILED = "STORE_FAILED"
+    NOT_STORED = "NOT_STORED"  # tier full of pinned/in-flight blocks when it became a candidate
+
+
+class Phase(enum.Enum):
+    ACTIVE = "ACTIVE"
+    PREEMPTED = "PREEMPTED"
+    FINISHING = "FINISHING"  # finished with ops in flight; released when the last one ends (rule 8)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotUpdate:
+    request_id: RequestId
+    is_new: bool
+    computed_tokens: int
+    scheduled_tokens: int
+    new_tokens: bytes = b""  # LE u32: tokens since the last update (a never-seen request: all of them)
+    new_block_ids: tuple[int, ...] = ()  # new: the full block table; cached: appended blocks
+    device_matched_tokens: int = 0  # L (new only)
+    loaded_tokens: int = 0  # E (new only)
+    cache_salt: str = ""
+    lora_name: str = ""
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.new_tokens) // 4
+
+
+@dataclass(slots=True)
+class Slot:
+    request_id: RequestId
+    hasher: ChainHasher
+    block_size: int
+    phase: Phase = Phase.ACTIVE
+    device_matched: int = 0  # L
+    loaded: int = 0  # E
+    computed: int = 0  # tokens the engine will have computed once the last applied step's forward ends
+    block_table: list[int] = field(default_factory=list)
+    states: list[BlockState] = field(default_factory=list)  # one per full block hashed so far
+    scan_from: int = 0  # every block below is decided
+    ops: set[OpId] = field(default_factory=set)  # in flight
+    last_step: int = -1
+    stored_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hasher.num_tokens
+
+    @property
+    def hashes(self) -> list[BlockHash]:
+        return self.hasher.hashes
+
+    def append_tokens(self, data: bytes) -> None:
+        if data:
+            self.hasher.extend(data)
+            missing = len(self.hasher.hashes) - len(self.states)
+            if missing > 0:
+                self.states += [BlockState.PENDING] * missing
+
+    def start_device_state(self, matched: int, loaded: int, block_table: list[int]) -> range:
+        """A new (or resumed) request: sets L, E and the block table; returns the load targets.
+
+        Tier facts (STORING, STORED) survive a restart: the blocks are still in the tier.
+        """
+        bs = self.block_size
+        self.phase = Phase.ACTIVE
+        self.device_matched, self.loaded = matched, loaded
+        self.block_table = block_table
+        self.computed = matched + loaded
+        first_load, end_load = matched // bs, (matched + loaded) // bs
+        for i, st in enumerate(self.states):
+            if st in (BlockState.STORING, BlockState.STORED):
+                continue
+            if i < first_load:
+                self.states[i] = BlockState.DEVICE_HIT
+            elif i < end_load:
+                self.states[i] = BlockState.LOADING
+            else:
+                self.states[i] = BlockState.PENDING
+        self.scan_from = first_load
+        return range(first_load, end_load)
+
+    def preempt(self) -> None:
+        """Rule 7: the device state goes; what the tiers hold stays."""
+        self.phase = Phase.PREEMPTED
+        self.block_table = []
+        self.computed = 0
+        self.device_matched = self.loaded = 0
+
+    def rewind(self, computed: int) -> None:
+        """Rule 6: the engine's count went back (e.g. recompute after a failed load)."""
+        first = computed // self.block_size
+        for i in range(first, len(self.states)):
+            if self.states[i] is BlockState.LOAD_FAILED:
+                self.states[i] = BlockState.PENDING
+        self.scan_from = min(self.scan_from, first)
+
+    def store_candidates(self, end_tokens: int) -> list[int]:
+        """Rule 4: full blocks that the step's forward completes and that nobody decided yet."""
+        end = min(end_tokens, self.num_tokens) // self.block_size
+        end = min(end, len(self.block_table), len(self.states))
+        out = [i for i in range(self.scan_from, end) if self.states[i] is BlockState.PENDING]
+        if end > self.scan_from:
+            self.scan_from = end
+        return out
+
+
+def normalize(u: SlotUpdate, style: UpdateStyle) -> SlotUpdate:
+    """The update in vLLM terms. TensorRT-LLM's computed_position of a new request whose load was
+    synchronous excludes the loaded tokens (reference/engines.md A2.4); after an async load it
+    includes them. Both come out as L+E."""
+    if style is UpdateStyle.TRTLLM and u.is_new and u.loaded_tokens and u.computed_tokens == u.device_matched_tokens:
+        return SlotUpdate(
+            request_id=u.request_id,
+            is_new=True,
+            computed_tokens=u.device_matched_tokens + u.loaded_tokens,
+            scheduled_tokens=u.scheduled_tokens,
+            new_tokens=u.new_tokens,
+            new_block_ids=u.new_block_ids,
+            device_matched_tokens=u.device_matched_tokens,
+            loaded_tokens=u.loaded_tokens,
+            cache_salt=u.cache_salt,
+            lora_name=u.lora_name,
+        )
+    return u
+
+
+def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: int) -> None:
+    """Raises a DepotError naming what is wrong; never changes anything."""
+    rid = u.request_id
+    if not rid:
+        raise InvalidRequest("request id must not be empty")
+    if len(u.new_tokens) % 4:
+        raise InvalidRequest(f"request {rid}: token bytes must be a multiple of 4")
+    if not u.is_new:
+        if slot is None:
+            raise NotFound(f"request {rid} is not known: send it with is_new first")
+        if slot.phase is Phase.PREEMPTED:
+            raise FailedPrecondition(f"request {rid} was preempted: resume it with is_new")
+        if slot.phase is Phase.FINISHING:
+            raise FailedPrecondition(f"request {rid} has finished")
+        if u.device_matched_tokens or u.loaded_tokens:
+            raise InvalidRequest(f"request {rid}: device_matched_tokens and loaded_tokens are only for new updates")
+    known = slot.num_tokens if slot is not None else 0
+    total = known + u.num_new_tokens
+    if total > max_tokens:
+        raise InvalidRequest(f"request {rid}: {total} tokens is over the limit of {max_tokens}")
+    if u.is_new and total == 0:
+        raise InvalidRequest(f"request {rid}: a new request must carry its tokens")
+    L, E, C, S = u.device_matched_tokens, u.loaded_tokens, u.computed_tokens, u.scheduled_tokens
+    if E % block_size:
+        raise InvalidRequest(f"request {rid}: loaded_tokens {E} is not a multiple of the block size {block_size}")
+    if E and L % block_size:
+        raise InvalidRequest(f"request {rid}: a load needs a block-aligned device_matched_tokens, got {L}")
+    if L + E > total:
+        raise InvalidRequest(f"request {rid}: device_matched_tokens {L} + loaded_tokens {E} exceed its {total} tokens")
+    if C > total:
+        raise InvalidRequest(f"request {rid}: computed_tokens {C} exceeds its {total} tokens")
+    if u.is_new and L > C:
+        raise InvalidRequest(f"request {rid}: device_matched_tokens {L} exceeds computed_tokens {C}")
+    blocks = len(u.new_block_ids) + (0 if u.is_new or slot is None else len(slot.block_table))
+    need = max(min(C + S, total), L + E)
+    if blocks * block_size < need:
+        raise InvalidRequest(
+            f"request {rid}: block table of {blocks} blocks covers {blocks * block_size} tokens, "
+            f"shorter than the {need} positions it computes"
+        )

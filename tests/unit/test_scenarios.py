@@ -1,0 +1,316 @@
+"""Narrated slot scenarios (block size 16), each run in vLLM style and as its TensorRT-LLM twin.
+
+The twin differs where the engines differ (reference/engines.md A1.6, A2.4): after a synchronous
+load TensorRT-LLM reports computed_position = L (device reuse only), vLLM num_computed_tokens = L+E.
+Stores are planned in the step whose forward completes the block and start only when the worker
+reports that forward done (rule 4), so "no store in the first step" means: nothing runs before
+the forward, and the engine's own blocks are never planned at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepotd.core.errors import FailedPrecondition
+from kvdepotd.core.ops import OpKind
+from kvdepotd.core.slots import BlockState, UpdateStyle
+from tests.unit.sim import BS, Sim, blocks_of, engine_blocks_of, prompt
+
+STYLES = [UpdateStyle.VLLM, UpdateStyle.TRTLLM]
+D = list(range(10, 20))  # engine block ids d0..d9
+LOAD, STORE = OpKind.LOAD, OpKind.STORE
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_device_hit_blocks_never_stored(style: UpdateStyle) -> None:
+    """Seed bug: 100-token prompt, 32 tokens on the engine's GPU, nothing in the tiers."""
+    sim = Sim(style)
+    toks = prompt(100)
+    assert sim.lookup("r", toks, L=32) == 0
+    # Step 1: the engine computes tokens 32..99. Blocks 0-1 are its own; nothing may run before the forward.
+    plan = sim.step(sim.new("r", toks, L=32, S=68, table=D[:7]))
+    assert 0 not in blocks_of(plan, STORE) and 1 not in blocks_of(plan, STORE)
+    assert sim.depot.take_ready() == []
+    assert sim.states("r")[:2] == [BlockState.DEVICE_HIT] * 2
+    sim.forward_done()
+    # Decode to the end of the block: 2-5 were stored exactly once, 0-1 never.
+    plan2 = sim.step(sim.cached("r", C=100, S=1, tokens=[7]))
+    sim.forward_done()
+    stored = [i for op in sim.completed(STORE) for i in op.block_indices]
+    assert sorted(stored) == [2, 3, 4, 5]
+    assert blocks_of(plan2, STORE) == []
+    assert sim.states("r") == [BlockState.DEVICE_HIT] * 2 + [BlockState.STORED] * 4
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_twin_without_scheduled_count_plans_nothing_in_first_step(style: UpdateStyle) -> None:
+    """TensorRT-LLM as Dynamo saw it (no scheduled count): the first step plans no store at all;
+    blocks 2-5 follow in the next step, 0-1 never."""
+    sim = Sim(style)
+    toks = prompt(100)
+    plan1 = sim.step(sim.new("r", toks, L=32, S=0, table=D[:7]))
+    assert plan1.ops == []
+    sim.forward_done()
+    plan2 = sim.step(sim.cached("r", C=100, S=0, tokens=[7]))
+    assert blocks_of(plan2, STORE) == [2, 3, 4, 5]
+    sim.forward_done()
+    sim.step(sim.cached("r", C=101, S=0, tokens=[8]))
+    assert sorted(i for op in sim.completed(STORE) for i in op.block_indices) == [2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_b_host_hit_loads_into_right_blocks_and_stores_only_new(style: UpdateStyle) -> None:
+    """G1 holds 32 tokens, the host tier blocks 2-4: load 2-4 into d2-d4, store 5, then 6 at 112."""
+    sim = Sim(style)
+    toks = prompt(100)
+    # Another request with the same first 80 tokens, also on the engine's GPU for 32, stored 2-4.
+    sim.prefill_and_store("x", toks[:80] + [9999] * 3, L=32)
+    assert sim.resident(toks) == 0  # 0-1 were never stored: the engine has them
+    assert sim.lookup("r", toks, L=32) == 48
+    plan = sim.step(sim.new("r", toks, L=32, E=48, S=20, table=D[:7]))
+    assert blocks_of(plan, LOAD) == [2, 3, 4]
+    assert engine_blocks_of(plan, LOAD) == D[2:5]
+    assert blocks_of(plan, STORE) == [5]
+    assert engine_blocks_of(plan, STORE) == [D[5]]
+    # Loads start at once; the store waits for the forward.
+    ready = sim.run_copies()
+    assert [op.kind for op, _ in ready] == [LOAD]
+    sim.forward_done()
+    # Decode from 100 to 112 tokens: block 6 exactly when the 112th token is computed.
+    n = 100
+    stores_at: list[int] = []
+    while n < 113:
+        p = sim.step(sim.cached("r", C=n, S=1, tokens=[5000 + n], blocks=[D[n // BS]] if n % BS == 0 else []))
+        sim.forward_done()
+        if blocks_of(p, STORE):
+            stores_at.append(n + 1)
+            assert blocks_of(p, STORE) == [6]
+        n += 1
+    assert stores_at == [112]
+    assert sim.states("r")[:7] == [BlockState.DEVICE_HIT] * 2 + [BlockState.LOADED] * 3 + [BlockState.STORED] * 2
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_c_chunked_prefill(style: UpdateStyle) -> None:
+    """Chunks of 32: stores 0-1, 2-3, 4-5 in the steps that compute them, none twice."""
+    sim = Sim(style)
+    toks = prompt(100)
+    plans = [sim.step(sim.new("r", toks, S=32, table=D[:2]))]
+    sim.forward_done()
+    for c, more in ((32, D[2:4]), (64, D[4:6]), (96, D[6:7])):
+        plans.append(sim.step(sim.cached("r", C=c, S=min(32, 100 - c), blocks=more)))
+        sim.forward_done()
+    assert [blocks_of(p, STORE) for p in plans] == [[0, 1], [2, 3], [4, 5], []]
+    assert sorted(i for op in sim.completed(STORE) for i in op.block_indices) == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_d_decode_across_boundaries_tail_never_stored(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.step(sim.new("r", toks, S=100, table=D[:7]))
+    sim.forward_done()
+    n, stored_at = 100, []
+    while n < 140:  # generate up to 140 tokens: blocks 6 (at 112) and 7 (at 128); 128..139 is the tail
+        p = sim.step(sim.cached("r", C=n, S=1, tokens=[n], blocks=[D[n // BS]] if n % BS == 0 else []))
+        sim.forward_done()
+        stored_at += [(n + 1, i) for i in blocks_of(p, STORE)]
+        n += 1
+    assert stored_at == [(112, 6), (128, 7)]
+    sim.step(finished=["r"])
+    assert sim.resident(toks + list(range(100, 140))) == 8  # blocks 0..7, never the 12-token tail
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_e_preemption_then_resume_fresh_lookup_no_restore(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.step(sim.new("r", toks, S=100, table=D[:7]))
+    sim.forward_done()
+    sim.step(preempted=["r"])
+    assert sim.depot.slot(sim.engine, "r").block_table == []
+    # Resume: a fresh lookup sees what the tiers hold (Dynamo never re-matched; we do).
+    assert sim.lookup("r", toks, L=0) == 96
+    plan = sim.step(sim.new("r", [], E=96, S=4, table=[30, 31, 32, 33, 34, 35, 36]))
+    assert blocks_of(plan, LOAD) == [0, 1, 2, 3, 4, 5]
+    assert engine_blocks_of(plan, LOAD) == [30, 31, 32, 33, 34, 35]
+    assert blocks_of(plan, STORE) == []
+    sim.run_copies()
+    sim.forward_done()
+    assert sim.depot.engines[sim.engine].domain.registry.pool.num_used == 6
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_e_resume_with_device_hit_and_partly_stored(style: UpdateStyle) -> None:
+    """Preempted after 0-3 were stored (chunked); resumed with the engine holding 0-1: no re-store."""
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.step(sim.new("r", toks, S=64, table=D[:4]))
+    sim.forward_done()
+    sim.step(preempted=["r"])
+    assert sim.lookup("r", toks, L=32) == 32  # blocks 2-3 from the host tier
+    plan = sim.step(sim.new("r", [], L=32, E=32, S=36, table=[40, 41, 42, 43, 44, 45, 46]))
+    assert blocks_of(plan, LOAD) == [2, 3] and engine_blocks_of(plan, LOAD) == [42, 43]
+    assert blocks_of(plan, STORE) == [4, 5]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_f_abort_during_load(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks)
+    assert sim.lookup("r", toks) == 96
+    sim.step(sim.new("r", toks, E=96, S=4, table=D[:7]))
+    # The request is aborted while its load is still copying: the engine must keep the blocks.
+    ready = sim.depot.take_ready()
+    plan = sim.step(finished=["r"])
+    assert plan.delay_free == ["r"]
+    for op, rank in ready:
+        sim.depot.complete_part(op.op_id, rank)
+    sim.run_copies()
+    assert sim.released() == ["r"]
+    sim.step(finished=["r"])  # a repeated finish changes nothing
+    sim.run_copies()
+    assert sim.released() == ["r"]
+    reg = sim.depot.engines[sim.engine].domain.registry
+    assert reg.num_pinned == 0
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_g_finish_with_stores_pending(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.step(sim.new("r", toks, S=100, table=D[:7]))
+    plan = sim.step(finished=["r"])  # finished before the worker reported the forward
+    assert plan.delay_free == ["r"]
+    assert sim.released() == []
+    sim.forward_done(step=1)
+    assert sim.released() == ["r"]
+    assert [op.success for op in sim.completed(STORE)] == [True]
+    sim.step()
+    sim.forward_done()
+    assert sim.released() == ["r"]  # exactly once
+    with pytest.raises(Exception):
+        sim.depot.slot(sim.engine, "r")
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_h_block_aligned_full_hit_keeps_last_block(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(96)
+    sim.prefill_and_store("x", toks)
+    assert sim.resident(toks) == 6
+    assert sim.lookup("r", toks) == 80  # the engine recomputes block 5 for its logits
+    short = prompt(16, start=500)
+    sim.prefill_and_store("y", short)
+    assert sim.lookup("s", short) == 0
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_i_repeated_and_out_of_order_updates_change_nothing(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(64)
+    u = sim.new("r", toks, S=64, table=D[:4])
+    plan = sim.step(u)
+    again = sim.depot.step(sim.engine, 1, [u], [], [], sim.now)
+    assert again is plan and len(sim.depot.ops.ops) == 1
+    sim.step(sim.cached("r", C=64, S=1, tokens=[1], blocks=[D[4]]))
+    # An older step within the answer cache is answered the same; nothing is planned twice.
+    assert sim.depot.step(sim.engine, 1, [u], [], [], sim.now) is plan
+    for _ in range(20):
+        sim.step()
+    with pytest.raises(FailedPrecondition):
+        sim.depot.step(sim.engine, 1, [u], [], [], sim.now)
+    sim.forward_done()
+    assert sim.states("r") == [BlockState.STORED] * 4
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_j_resident_or_in_flight_block_never_allocated_again(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(64)
+    plan = sim.step(sim.new("a", toks, S=64, table=D[:4]), sim.new("b", toks, S=64, table=D[4:8]))
+    assert blocks_of(plan, STORE) == [0, 1, 2, 3]  # only a's; b's are in flight already
+    assert sim.states("b") == [BlockState.ALREADY_CACHED] * 4
+    pool = sim.depot.engines[sim.engine].domain.registry.pool
+    assert pool.num_used == 4
+    sim.forward_done()
+    plan2 = sim.step(sim.new("c", toks, S=64, table=D[:4]))
+    assert plan2.ops == [] and pool.num_used == 4
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_failed_load_is_recomputed_and_then_stored(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(64)
+    sim.prefill_and_store("x", toks)
+    assert sim.lookup("r", toks + [1]) == 64
+    sim.step(sim.new("r", toks + [1], E=64, S=1, table=D[:5]))
+    sim.run_copies(fail={2})
+    [load] = sim.completed(LOAD)
+    assert not load.success and load.failed_block_ids() == [D[2]]
+    assert sim.states("r")[2] is BlockState.LOAD_FAILED
+    # The engine rewinds to the failed block and recomputes from there (rule 6).
+    plan = sim.step(sim.cached("r", C=32, S=33))
+    assert blocks_of(plan, STORE) == []  # still resident: a failed copy does not mean the tier lost it
+    assert sim.states("r")[2] is BlockState.ALREADY_CACHED
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_tp2_op_done_only_when_both_ranks_done(style: UpdateStyle) -> None:
+    sim = Sim(style, world_size=2)
+    sim.step(sim.new("r", prompt(32), S=32, table=D[:2]))
+    plan = sim.step(finished=["r"])
+    assert plan.delay_free == ["r"]
+    sim.forward_done(step=1, ranks=[0])
+    assert sim.released() == []
+    sim.forward_done(step=1, ranks=[1])
+    assert sim.released() == ["r"]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_missing_forward_done_ends_at_deadline(style: UpdateStyle) -> None:
+    """A worker that never reports its forward: the op fails at its deadline, nothing hangs."""
+    sim = Sim(style)
+    sim.step(sim.new("r", prompt(32), S=32, table=D[:2]))
+    sim.step(finished=["r"])
+    sim.depot.expire(sim.now + sim.depot.config.op_timeout_ms)
+    sim.run_copies()
+    [op] = sim.completed(STORE)
+    assert not op.success and op.message == "deadline exceeded"
+    assert sim.released() == ["r"]
+    assert sim.resident(prompt(32)) == 0
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_tier_full_of_pinned_blocks_refuses_explicitly(style: UpdateStyle) -> None:
+    sim = Sim(style, host_blocks=4)
+    toks = prompt(64)
+    sim.prefill_and_store("x", toks)
+    assert sim.lookup("p", toks + [1]) == 64  # pins all four
+    plan = sim.step(sim.new("r", prompt(32, start=900), S=32, table=D[:2]))
+    assert plan.ops == []
+    assert sim.states("r") == [BlockState.NOT_STORED] * 2
+    assert sim.depot.counters["store_blocks_tier_full"] == 2
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_repolled_lookup_with_different_hit_is_consistent(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks)
+    assert sim.lookup("r", toks, L=0) == 96
+    assert sim.lookup("r", toks, L=32) == 64
+    assert sim.lookup("r", toks, L=40) == 0  # partial-block device hit: no external match
+    reg = sim.depot.engines[sim.engine].domain.registry
+    assert reg.num_pinned == 0  # each re-poll replaced the earlier pin
+
+
+def test_trtllm_async_load_reports_l_plus_e() -> None:
+    """TensorRT-LLM after an async load emits the request as new with computed_position = L+E."""
+    sim = Sim(UpdateStyle.TRTLLM)
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks)
+    assert sim.lookup("r", toks, L=32) == 64
+    plan = sim.step(sim.new("r", toks, L=32, E=64, S=4, C=96, table=D[:7]))
+    assert blocks_of(plan, LOAD) == [2, 3, 4, 5] and blocks_of(plan, STORE) == []
