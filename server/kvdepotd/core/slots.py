@@ -169,6 +169,8 @@ def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: 
     rid = u.request_id
     if not rid:
         raise InvalidRequest("request id must not be empty")
+    if slot is not None and slot.phase is Phase.FINISHING:
+        raise FailedPrecondition(f"request {rid} has finished and its ops are still running; ids are not reused")
     if len(u.new_tokens) % 4:
         raise InvalidRequest(f"request {rid}: token bytes must be a multiple of 4")
     if not u.is_new:
@@ -176,8 +178,6 @@ def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: 
             raise NotFound(f"request {rid} is not known: send it with is_new first")
         if slot.phase is Phase.PREEMPTED:
             raise FailedPrecondition(f"request {rid} was preempted: resume it with is_new")
-        if slot.phase is Phase.FINISHING:
-            raise FailedPrecondition(f"request {rid} has finished")
         if u.device_matched_tokens or u.loaded_tokens:
             raise InvalidRequest(f"request {rid}: device_matched_tokens and loaded_tokens are only for new updates")
     known = slot.num_tokens if slot is not None else 0

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+from kvdepot.hashing import ChainHasher, block_hashes, salt_hash, scope_seed, tokens_to_bytes
+
+
+def test_dynamo_vector() -> None:
+    """tokens 1..10, block size 4, salt 1337 -> Dynamo's sequence hashes; the tail has none."""
+    assert block_hashes(tokens_to_bytes(list(range(1, 11))), 4, 1337) == [14643705804678351452, 4945711292740353085]
+
+
+def test_default_salt_is_dynamo_empty_object() -> None:
+    import xxhash
+
+    assert salt_hash() == xxhash.xxh3_64_intdigest(b"{}", 0)
+
+
+def test_salt_and_lora_change_every_hash() -> None:
+    data = tokens_to_bytes(list(range(64)))
+    base = block_hashes(data, 16, salt_hash())
+    for seed in (salt_hash("s"), salt_hash(lora_name="l"), scope_seed(salt_hash(), "tenant"), scope_seed(salt_hash(), "", "model")):
+        other = block_hashes(data, 16, seed)
+        assert all(a != b for a, b in zip(base, other))
+    assert scope_seed(123, "", "") == 123
+
+
+def test_incremental_chain_equals_one_shot() -> None:
+    toks = list(range(1000, 1100))
+    h = ChainHasher(16, 7)
+    for i in range(0, 100, 7):
+        h.extend(tokens_to_bytes(toks[i : i + 7]))
+    assert h.num_tokens == 100
+    assert h.hashes == block_hashes(tokens_to_bytes(toks), 16, 7)
+
+
+def test_start_and_limit() -> None:
+    data = tokens_to_bytes(list(range(160)))
+    full = block_hashes(data, 16, 1)
+    assert block_hashes(data, 16, 1, start_block=3, prev=full[2], limit=4) == full[3:7]

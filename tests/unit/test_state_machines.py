@@ -1,0 +1,208 @@
+"""Hypothesis state machines over the registry/pool and over the whole Depot.
+
+Invariants: free + used = slots; no double free; children counts exact; pinned and in-flight blocks
+are never evicted; pins never leak; no block is stored twice; every op ends exactly once.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvdepot.hashing import BlockHash
+from kvdepotd.core.depot import OpCompleted, RequestReleased
+from kvdepotd.core.errors import DepotError, FailedPrecondition
+from kvdepotd.core.ops import OpKind, RequestId
+from kvdepotd.core.pool import BlockPool, SlabArena
+from kvdepotd.core.registry import BlockRegistry, BlockStatus
+from kvdepotd.core.slots import UpdateStyle
+from tests.unit.sim import BS, Sim, prompt
+
+HASHES = st.integers(min_value=1, max_value=24).map(BlockHash)
+
+
+class RegistryMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reg = BlockRegistry(BlockPool("c", 100, SlabArena(total_bytes=800, slab_bytes=300)))
+        self.pins: dict[BlockHash, int] = {}
+
+    @rule(h=HASHES, parent=st.none() | HASHES)
+    def store(self, h: BlockHash, parent: BlockHash | None) -> None:
+        if h in self.reg.entries or parent == h:
+            return
+        pinned_before = {k for k, v in self.pins.items() if v}
+        storing_before = {k for k, e in self.reg.entries.items() if e.status is BlockStatus.STORING}
+        slot = self.reg.prepare_store(h, parent)
+        if slot is None:
+            assert self.reg.pool.num_free == 0
+            return
+        for k in pinned_before | storing_before:
+            assert k in self.reg.entries, "a pinned or in-flight block was evicted"
+
+    @rule(h=HASHES, ok=st.booleans())
+    def complete(self, h: BlockHash, ok: bool) -> None:
+        e = self.reg.entries.get(h)
+        if e is not None and e.status is BlockStatus.STORING:
+            self.reg.complete_store(h, ok)
+
+    @rule(h=HASHES)
+    def pin(self, h: BlockHash) -> None:
+        e = self.reg.entries.get(h)
+        if e is not None and e.status is BlockStatus.RESIDENT:
+            self.reg.pin(h)
+            self.pins[h] = self.pins.get(h, 0) + 1
+
+    @rule(h=HASHES)
+    def unpin(self, h: BlockHash) -> None:
+        if self.pins.get(h):
+            self.reg.unpin(h)
+            self.pins[h] -= 1
+
+    @rule(hs=st.lists(HASHES, max_size=4))
+    def touch(self, hs: list[BlockHash]) -> None:
+        self.reg.touch(hs)
+
+    @rule()
+    def clear(self) -> None:
+        self.reg.clear()
+        for k, e in self.reg.entries.items():
+            assert e.pins or e.status is BlockStatus.STORING or e.children
+
+    @invariant()
+    def consistent(self) -> None:
+        self.reg.check_invariants()
+        pool = self.reg.pool
+        assert pool.num_free + pool.num_used == pool.num_slots <= 8
+        for h, n in self.pins.items():
+            if n:
+                assert self.reg.entries[h].pins == n
+
+
+TestRegistry = RegistryMachine.TestCase
+TestRegistry.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class DepotMachine(RuleBasedStateMachine):
+    """An engine double with up to three requests over a few shared prompts and a small host tier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = Sim(UpdateStyle.VLLM, host_blocks=6)
+        self.reqs: dict[str, dict] = {}  # rid -> {tokens, sent, computed, table, running}
+        self.next_block = 0
+        self.released: list[str] = []
+        self.delayed: dict[str, int] = {}  # rid -> finishes answered with delay_free
+
+    def _blocks(self, n: int) -> list[int]:
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return out
+
+    @rule(rid=st.sampled_from(["a", "b", "c"]), base=st.sampled_from([1, 1, 500]), n=st.integers(1, 80), L_blocks=st.integers(0, 3), use_lookup=st.booleans())
+    def admit(self, rid: str, base: int, n: int, L_blocks: int, use_lookup: bool) -> None:
+        r = self.reqs.get(rid)
+        if r is not None and r["running"]:
+            return
+        toks = r["tokens"] if r is not None else prompt(n, start=base)
+        L = min(L_blocks * BS, (len(toks) - 1) // BS * BS)
+        E = self.sim.lookup(rid, toks, L=L) if use_lookup else 0
+        C = L + E
+        S = len(toks) - C
+        table = self._blocks((len(toks) + BS - 1) // BS)
+        sent = r["sent"] if r is not None else 0
+        slot = self.sim.depot.engines[self.sim.engine].slots.get(rid)
+        try:
+            self.sim.step(self.sim.new(rid, toks[sent:], L=L, E=E, S=S, table=table))
+        except FailedPrecondition:
+            assert slot is not None and slot.phase.value == "FINISHING"  # ids are not reused while finishing
+            self.sim.step_no -= 1
+            self.sim.step(finished=[rid])  # the engine drops the request again
+            return
+        self.reqs[rid] = {"tokens": toks, "sent": len(toks), "computed": C + S, "table": table, "running": True}
+
+    @rule(rid=st.sampled_from(["a", "b", "c"]))
+    def decode(self, rid: str) -> None:
+        r = self.reqs.get(rid)
+        if r is None or not r["running"]:
+            return
+        C = r["computed"]
+        new_tok = 7000 + C
+        r["tokens"].append(new_tok)
+        blocks = self._blocks(1) if C % BS == 0 else []
+        r["table"] += blocks
+        self.sim.step(self.sim.cached(rid, C=C, S=1, tokens=[new_tok], blocks=blocks))
+        r["computed"] = C + 1
+        r["sent"] += 1
+
+    @rule(rid=st.sampled_from(["a", "b", "c"]))
+    def finish(self, rid: str) -> None:
+        r = self.reqs.pop(rid, None)
+        if r is None:
+            return
+        plan = self.sim.step(finished=[rid])
+        if rid in plan.delay_free:
+            self.delayed[rid] = self.delayed.get(rid, 0) + 1
+
+    @rule(rid=st.sampled_from(["a", "b", "c"]))
+    def preempt(self, rid: str) -> None:
+        r = self.reqs.get(rid)
+        if r is None or not r["running"]:
+            return
+        self.sim.step(preempted=[rid])
+        r["running"] = False
+
+    @rule()
+    def forward_done(self) -> None:
+        self.sim.forward_done()
+
+    @rule(fail=st.sets(st.integers(0, 5), max_size=2))
+    def copies(self, fail: set[int]) -> None:
+        self.sim.run_copies(fail)
+
+    @rule(ms=st.integers(0, 40_000))
+    def time_passes(self, ms: int) -> None:
+        self.sim.now += ms
+        self.sim.depot.heartbeat(self.sim.engine, self.sim.now)
+        self.sim.depot.expire(self.sim.now)
+        self.sim.run_copies()
+
+    @rule(rid=st.sampled_from(["a", "b", "zz"]), C=st.integers(0, 200), S=st.integers(0, 50))
+    def bad_update_changes_nothing(self, rid: str, C: int, S: int) -> None:
+        d = self.sim.depot
+        before = (len(d.ops.ops), {r: len(s.states) for r, s in d.engines[self.sim.engine].slots.items()})
+        try:
+            self.sim.step(self.sim.cached(rid, C=C + 10_000, S=S))
+        except DepotError:
+            self.sim.step_no -= 1
+        after = (len(d.ops.ops), {r: len(s.states) for r, s in d.engines[self.sim.engine].slots.items()})
+        assert before == after
+
+    @invariant()
+    def invariants(self) -> None:
+        d = self.sim.depot
+        d.check_invariants()
+        stored: dict[int, int] = {}
+        for e in self.sim.events:
+            if isinstance(e, OpCompleted) and e.op.kind is OpKind.STORE:
+                for i, h in zip(e.op.block_indices, e.op.hashes):
+                    if i not in e.op.failed:
+                        stored[h] = stored.get(h, 0) + 1
+        reg = d.engines[self.sim.engine].domain.registry
+        # A hash is stored again only after it left the tier (eviction), never while resident.
+        for h, n in stored.items():
+            if n > 1:
+                assert reg.evictions > 0
+        # Each finish answered with delay_free is released exactly once, when its slot goes.
+        released = [e.request_id for e in self.sim.events if isinstance(e, RequestReleased)]
+        slots = d.engines[self.sim.engine].slots
+        for rid, n in self.delayed.items():
+            got = released.count(rid)
+            finishing = rid in slots and slots[rid].phase.value == "FINISHING"
+            assert got == n - finishing, (rid, got, n, finishing)
+        assert set(released) <= set(self.delayed)
+
+
+TestDepot = DepotMachine.TestCase
+TestDepot.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
