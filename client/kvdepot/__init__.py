@@ -1,6 +1,30 @@
 """kvdepot: the engine-side client of the kvdepotd KV-cache block manager."""
 
+from kvdepot.client import DEFAULT_ADDRESS, AsyncDepotClient, DepotClient, WorkerLink
+from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, Unavailable
 from kvdepot.hashing import BlockHash, ChainHasher, block_hashes, salt_hash
 from kvdepot.layout import KvLayout
+from kvdepot.messages import LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
 
-__all__ = ["BlockHash", "ChainHasher", "KvLayout", "block_hashes", "salt_hash"]
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "AsyncDepotClient",
+    "BlockHash",
+    "ChainHasher",
+    "DepotClient",
+    "DepotError",
+    "FailedPrecondition",
+    "InvalidRequest",
+    "KvLayout",
+    "LookupResult",
+    "NotFound",
+    "OpCompleted",
+    "OpInfo",
+    "RequestReleased",
+    "StepBatch",
+    "StepResult",
+    "Unavailable",
+    "WorkerLink",
+    "block_hashes",
+    "salt_hash",
+]

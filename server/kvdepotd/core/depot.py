@@ -155,12 +155,12 @@ class Depot:
         return eng
 
     def heartbeat(self, engine_id: EngineId, now_ms: int) -> int:
-        eng = self._engine(engine_id)
+        eng = self.engine(engine_id)
         eng.lease_expires_ms = now_ms + eng.lease_ms
         return eng.lease_expires_ms
 
     def unregister_engine(self, engine_id: EngineId, reason: str = "engine unregistered") -> int:
-        eng = self._engine(engine_id)
+        eng = self.engine(engine_id)
         for op in [op for op in self.ops.ops.values() if op.engine_id == engine_id]:
             ended = self.ops.end(op, reason)
             if ended is not None:
@@ -177,7 +177,7 @@ class Depot:
         return released
 
     def capacity_blocks(self, engine_id: EngineId) -> int:
-        return self._engine(engine_id).domain.registry.pool.capacity_blocks
+        return self.engine(engine_id).domain.registry.pool.capacity_blocks
 
     # -- lookup --------------------------------------------------------------------------------
     def lookup(
@@ -192,7 +192,7 @@ class Depot:
         pin_ms: int,
         now_ms: int,
     ) -> LookupResult:
-        eng = self._engine(engine_id)
+        eng = self.engine(engine_id)
         bs = eng.layout.block_size
         n = len(tokens) // 4
         L = device_matched_tokens
@@ -254,7 +254,7 @@ class Depot:
         preempted: list[RequestId],
         now_ms: int,
     ) -> StepPlan:
-        eng = self._engine(engine_id)
+        eng = self.engine(engine_id)
         if (cached := eng.responses.get(step)) is not None:
             self.counters["steps_repeated"] += 1
             return cached  # rule 5: a repeated step is answered the same and changes nothing
@@ -456,7 +456,7 @@ class Depot:
 
     # -- workers and the copy engine ------------------------------------------------------------
     def forward_done(self, engine_id: EngineId, rank: int, step: int) -> None:
-        eng = self._engine(engine_id)
+        eng = self.engine(engine_id)
         if not 0 <= rank < eng.layout.world_size:
             raise InvalidRequest(f"rank {rank} is outside the engine's world size {eng.layout.world_size}")
         self._ready += self.ops.forward_done(engine_id, rank, step)
@@ -532,13 +532,13 @@ class Depot:
         return dropped, kept
 
     def slot(self, engine_id: EngineId, request_id: RequestId) -> Slot:
-        slot = self._engine(engine_id).slots.get(request_id)
+        slot = self.engine(engine_id).slots.get(request_id)
         if slot is None:
             raise NotFound(f"engine {engine_id} has no request {request_id}")
         return slot
 
     def block_info(self, engine_id: EngineId, h: BlockHash) -> BlockEntry | None:
-        return self._engine(engine_id).domain.registry.state_of(h)
+        return self.engine(engine_id).domain.registry.state_of(h)
 
     def all_counters(self) -> dict[str, int]:
         out = dict(self.counters)
@@ -564,7 +564,7 @@ class Depot:
         assert pins == pinned_by_lookups, "a pin leaked or went missing"
 
     # -- internals -------------------------------------------------------------------------------
-    def _engine(self, engine_id: EngineId) -> Engine:
+    def engine(self, engine_id: EngineId) -> Engine:
         eng = self.engines.get(engine_id)
         if eng is None:
             raise NotFound(f"engine {engine_id!r} is not registered (or its lease expired): register again")

@@ -1,0 +1,456 @@
+"""DepotClient (threads) and AsyncDepotClient (asyncio): the engine's side of the wire.
+
+Engine-path calls (lookup, step, forward_done) carry a short deadline and never raise or block past
+it unless the client is `strict`: when the daemon is down, slow, or has forgotten the engine (it
+restarted), they answer "miss / no ops" with `degraded=True`, and a keeper in the background
+heartbeats, re-registers and reconnects. Inspection and admin calls raise kvdepot.errors.
+
+Addresses: HOST:PORT, unix:PATH, unix:///abs/path (the forms `kvdepotd --listen` takes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from kvdepot import messages as m
+from kvdepot.errors import DepotError, NotFound, from_rpc_error
+from kvdepot.layout import KvLayout
+from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvdepot")
+DEFAULT_ADDRESS = "127.0.0.1:50061"
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.enable_retries", 0),
+]
+MISSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+class _Registration:
+    """What the client registered, so it can register again after the daemon forgot it."""
+
+    def __init__(self, req: pb.RegisterEngineRequest) -> None:
+        self.req = req
+        self.engine_id = ""
+        self.lease_ms = 30_000
+        self.epoch = 0  # bumps each time the daemon gives a new engine id: older slots are gone
+        self.block_bytes = 0
+
+    def accept(self, r: pb.RegisterEngineResponse) -> None:
+        self.engine_id = r.engine_id
+        self.lease_ms = r.lease_ms or self.lease_ms
+        self.block_bytes = r.block_bytes
+        self.epoch += 1
+
+
+def _degraded(client: Any, e: grpc.RpcError, what: str) -> None:
+    """Decides whether an engine-path failure is a miss (logged, returned) or raised (strict)."""
+    code = e.code()  # type: ignore[attr-defined]
+    if client.strict:
+        raise from_rpc_error(e) from None
+    if code is grpc.StatusCode.NOT_FOUND and client._reg is not None and "engine" in (e.details() or ""):  # type: ignore[attr-defined]
+        client._reg.engine_id = ""  # the daemon restarted or our lease expired: the keeper re-registers
+    if code in MISSES or code is grpc.StatusCode.NOT_FOUND:
+        log.debug("kvdepot %s degraded to a miss: %s", what, code.name)
+    else:
+        log.error("kvdepot %s rejected (%s): %s; treating it as a miss", what, code.name, e.details())  # type: ignore[attr-defined]
+
+
+class DepotClient:
+    """Synchronous client; safe to share between threads."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False) -> None:
+        self.address = address
+        self.deadline_s = deadline_s
+        self.admin_deadline_s = admin_deadline_s
+        self.strict = strict
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.BlockManagerStub(self._channel)
+        self._reg: _Registration | None = None
+        self._step = 0
+        self._closed = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._workers: list[WorkerLink] = []
+
+    # -- engine registration -------------------------------------------------------------------
+    def register_engine(
+        self, model: str, layout: KvLayout, *, name: str = "", namespace: str = "", update_style: str = "vllm", lease_ms: int = 0
+    ) -> str:
+        """Registers the engine and starts the keeper. Returns the engine id, or "" when the daemon
+        did not answer (the keeper keeps trying; engine-path calls are misses until then)."""
+        layout.validate()
+        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms))
+        self._try_register(raise_errors=True)
+        if self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)
+            self._keeper.start()
+        return self._reg.engine_id
+
+    @property
+    def engine_id(self) -> str:
+        return self._reg.engine_id if self._reg else ""
+
+    @property
+    def epoch(self) -> int:
+        """Registration generation: when it changes, the daemon has no slots of older requests."""
+        return self._reg.epoch if self._reg else 0
+
+    def _try_register(self, raise_errors: bool = False) -> bool:
+        assert self._reg is not None
+        try:
+            self._reg.accept(self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0)))
+            log.info("kvdepot: engine registered as %s at %s", self._reg.engine_id, self.address)
+            return True
+        except grpc.RpcError as e:
+            if e.code() in MISSES:  # type: ignore[attr-defined]
+                if raise_errors and self.strict:
+                    raise from_rpc_error(e) from None
+                return False
+            if raise_errors:
+                raise from_rpc_error(e) from None
+            log.error("kvdepot: registration rejected: %s", e.details())  # type: ignore[attr-defined]
+            return False
+
+    def _keep(self) -> None:
+        next_beat = 0.0
+        while not self._closed.wait(0.2):
+            reg = self._reg
+            if reg is None:
+                continue
+            if not reg.engine_id:
+                self._try_register()
+                next_beat = time.monotonic() + reg.lease_ms / 3000
+                continue
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + reg.lease_ms / 3000
+                try:
+                    self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=reg.engine_id), timeout=1.0)
+                except grpc.RpcError as e:
+                    if e.code() is grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                        log.warning("kvdepot: the daemon forgot engine %s; registering again", reg.engine_id)
+                        reg.engine_id = ""
+
+    # -- the engine path -----------------------------------------------------------------------
+    def lookup(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        *,
+        device_matched_tokens: int = 0,
+        cache_salt: str = "",
+        lora_name: str = "",
+        pin_ms: int = 0,
+    ) -> m.LookupResult:
+        if not self.engine_id:
+            return m.MISS
+        req = m.lookup_pb(self.engine_id, request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
+        try:
+            return m.lookup_result(self._stub.Lookup(req, timeout=self.deadline_s))
+        except grpc.RpcError as e:
+            _degraded(self, e, "lookup")
+            return m.MISS
+
+    def step(self, batch: m.StepBatch) -> m.StepResult:
+        """Sends one engine step. Step numbers are the client's own and strictly increase."""
+        self._step += 1
+        if not self.engine_id:
+            return m.StepResult(self._step, degraded=True)
+        try:
+            return m.step_result(self._stub.Step(batch.to_pb(self.engine_id, self._step), timeout=self.deadline_s))
+        except grpc.RpcError as e:
+            _degraded(self, e, "step")
+            return m.StepResult(self._step, degraded=True)
+
+    @property
+    def last_step(self) -> int:
+        return self._step
+
+    def worker(self, rank: int = 0) -> WorkerLink:
+        """The worker side of rank `rank`: forward-done out, op completions in (one stream, kept open)."""
+        link = WorkerLink(self, rank)
+        self._workers.append(link)
+        return link
+
+    # -- inspection and admin (these raise) ---------------------------------------------------------
+    def _admin(self, method: str, req: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(req, timeout=self.admin_deadline_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def stats(self) -> pb.GetStatsResponse:
+        return self._admin("GetStats", pb.GetStatsRequest())
+
+    def engines(self) -> list[pb.EngineInfo]:
+        return list(self._admin("ListEngines", pb.ListEnginesRequest()).engines)
+
+    def slots(self, engine_id: str | None = None) -> list[pb.SlotSummary]:
+        return list(self._admin("ListSlots", pb.ListSlotsRequest(engine_id=engine_id or self.engine_id)).slots)
+
+    def slot(self, request_id: str, engine_id: str | None = None) -> pb.GetSlotResponse:
+        return self._admin("GetSlot", pb.GetSlotRequest(engine_id=engine_id or self.engine_id, request_id=request_id))
+
+    def block(self, block_hash: int, engine_id: str | None = None) -> pb.GetBlockResponse:
+        return self._admin("GetBlock", pb.GetBlockRequest(engine_id=engine_id or self.engine_id, hash=block_hash))
+
+    def clear(self) -> pb.ClearResponse:
+        return self._admin("Clear", pb.ClearRequest())
+
+    def unregister(self) -> None:
+        if self._reg is not None and self._reg.engine_id:
+            eid, self._reg.engine_id = self._reg.engine_id, ""
+            self._reg = None
+            self._admin("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=eid))
+
+    def close(self) -> None:
+        self._closed.set()
+        for w in self._workers:
+            w.close()
+        self._channel.close()
+
+    def __enter__(self) -> DepotClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WorkerLink:
+    """A worker rank's stream, kept open by a background thread that reconnects and re-attaches.
+
+    forward_done() never blocks; poll() returns the events that arrived; wait() blocks up to a timeout.
+    """
+
+    def __init__(self, client: DepotClient, rank: int) -> None:
+        self.client = client
+        self.rank = rank
+        self._out: queue.SimpleQueue[pb.WorkerMessage | None] = queue.SimpleQueue()
+        self._events: collections.deque[m.WorkerEvent] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._last_forward = -1
+        self.attached = threading.Event()
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"kvdepot-worker-{rank}", daemon=True)
+        self._thread.start()
+
+    def forward_done(self, step: int) -> None:
+        self._last_forward = max(self._last_forward, step)
+        if self.attached.is_set():
+            self._out.put(pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step)))
+
+    def poll(self) -> list[m.WorkerEvent]:
+        with self._cond:
+            out = list(self._events)
+            self._events.clear()
+        return out
+
+    def wait(self, done: Callable[[list[m.WorkerEvent]], bool], timeout_s: float) -> list[m.WorkerEvent]:
+        """Collects events until `done(collected)` or the timeout; returns what was collected."""
+        end = time.monotonic() + timeout_s
+        got: list[m.WorkerEvent] = []
+        while True:
+            got += self.poll()
+            if done(got):
+                return got
+            left = end - time.monotonic()
+            if left <= 0:
+                return got
+            with self._cond:
+                if not self._events:
+                    self._cond.wait(min(left, 0.05))
+
+    def close(self) -> None:
+        self._closed = True
+        self._out.put(None)
+        if self._call is not None:
+            self._call.cancel()
+
+    def _requests(self, engine_id: str) -> Iterator[pb.WorkerMessage]:
+        yield pb.WorkerMessage(attach=pb.WorkerMessage.Attach(engine_id=engine_id, rank=self.rank))
+        if self._last_forward >= 0:  # stores waiting on a forward we reported while disconnected
+            yield pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=self._last_forward))
+        while True:
+            msg = self._out.get()
+            if msg is None or self._closed:
+                return
+            yield msg
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            engine_id = self.client.engine_id
+            if not engine_id:
+                time.sleep(0.05)
+                continue
+            try:
+                self._call = self.client._stub.WorkerStream(self._requests(engine_id))
+                for ev in self._call:
+                    if ev.WhichOneof("event") == "attached":
+                        self.attached.set()
+                        backoff = 0.05
+                        continue
+                    e = m.worker_event(ev)
+                    if e is not None:
+                        with self._cond:
+                            self._events.append(e)
+                            self._cond.notify_all()
+            except grpc.RpcError as e:
+                if self._closed:
+                    return
+                log.debug("kvdepot worker %d stream ended: %s", self.rank, e.code())  # type: ignore[attr-defined]
+            finally:
+                self.attached.clear()
+                self._out.put(None)  # end the old request iterator
+                self._out = queue.SimpleQueue()
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+
+class AsyncDepotClient:
+    """The asyncio twin of DepotClient (same semantics: deadlines, degrade to miss, keeper task)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False) -> None:
+        self.address = address
+        self.deadline_s = deadline_s
+        self.admin_deadline_s = admin_deadline_s
+        self.strict = strict
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.BlockManagerStub(self._channel)
+        self._reg: _Registration | None = None
+        self._step = 0
+        self._keeper: asyncio.Task[None] | None = None
+
+    @property
+    def engine_id(self) -> str:
+        return self._reg.engine_id if self._reg else ""
+
+    @property
+    def epoch(self) -> int:
+        return self._reg.epoch if self._reg else 0
+
+    async def register_engine(
+        self, model: str, layout: KvLayout, *, name: str = "", namespace: str = "", update_style: str = "vllm", lease_ms: int = 0
+    ) -> str:
+        layout.validate()
+        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms))
+        await self._try_register(raise_errors=True)
+        if self._keeper is None:
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
+        return self._reg.engine_id
+
+    async def _try_register(self, raise_errors: bool = False) -> bool:
+        assert self._reg is not None
+        try:
+            self._reg.accept(await self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0)))
+            return True
+        except grpc.RpcError as e:
+            if e.code() in MISSES and not (raise_errors and self.strict):  # type: ignore[attr-defined]
+                return False
+            if raise_errors:
+                raise from_rpc_error(e) from None
+            return False
+
+    async def _keep(self) -> None:
+        next_beat = 0.0
+        while True:
+            await asyncio.sleep(0.2)
+            reg = self._reg
+            if reg is None:
+                continue
+            if not reg.engine_id:
+                await self._try_register()
+                next_beat = time.monotonic() + reg.lease_ms / 3000
+            elif time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + reg.lease_ms / 3000
+                try:
+                    await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=reg.engine_id), timeout=1.0)
+                except grpc.RpcError as e:
+                    if e.code() is grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                        reg.engine_id = ""
+
+    async def lookup(
+        self, request_id: str, tokens: Sequence[int], *, device_matched_tokens: int = 0, cache_salt: str = "", lora_name: str = "", pin_ms: int = 0
+    ) -> m.LookupResult:
+        if not self.engine_id:
+            return m.MISS
+        req = m.lookup_pb(self.engine_id, request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
+        try:
+            return m.lookup_result(await self._stub.Lookup(req, timeout=self.deadline_s))
+        except grpc.RpcError as e:
+            _degraded(self, e, "lookup")
+            return m.MISS
+
+    async def step(self, batch: m.StepBatch) -> m.StepResult:
+        self._step += 1
+        if not self.engine_id:
+            return m.StepResult(self._step, degraded=True)
+        try:
+            return m.step_result(await self._stub.Step(batch.to_pb(self.engine_id, self._step), timeout=self.deadline_s))
+        except grpc.RpcError as e:
+            _degraded(self, e, "step")
+            return m.StepResult(self._step, degraded=True)
+
+    async def worker_events(self, rank: int, forward_done: asyncio.Queue[int]) -> AsyncIterator[m.WorkerEvent]:
+        """One attach of rank `rank`: steps put on `forward_done` are reported; events are yielded.
+        Ends (raising kvdepot.errors) when the stream breaks; the caller decides whether to re-attach."""
+
+        async def requests() -> AsyncIterator[pb.WorkerMessage]:
+            yield pb.WorkerMessage(attach=pb.WorkerMessage.Attach(engine_id=self.engine_id, rank=rank))
+            while True:
+                step = await forward_done.get()
+                yield pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step))
+
+        call = self._stub.WorkerStream(requests())
+        try:
+            async for ev in call:
+                e = m.worker_event(ev)
+                if e is not None:
+                    yield e
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        finally:
+            call.cancel()
+
+    async def _admin(self, method: str, req: Any) -> Any:
+        try:
+            return await getattr(self._stub, method)(req, timeout=self.admin_deadline_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def stats(self) -> pb.GetStatsResponse:
+        return await self._admin("GetStats", pb.GetStatsRequest())
+
+    async def slot(self, request_id: str, engine_id: str | None = None) -> pb.GetSlotResponse:
+        return await self._admin("GetSlot", pb.GetSlotRequest(engine_id=engine_id or self.engine_id, request_id=request_id))
+
+    async def clear(self) -> pb.ClearResponse:
+        return await self._admin("Clear", pb.ClearRequest())
+
+    async def unregister(self) -> None:
+        if self._reg is not None and self._reg.engine_id:
+            eid = self._reg.engine_id
+            self._reg = None
+            await self._admin("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=eid))
+
+    async def close(self) -> None:
+        if self._keeper is not None:
+            self._keeper.cancel()
+        await self._channel.close()
+
+
+__all__ = ["AsyncDepotClient", "DepotClient", "DepotError", "NotFound", "WorkerLink"]

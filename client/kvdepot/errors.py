@@ -1,0 +1,49 @@
+"""Errors the client raises (inspection and admin calls always; engine-path calls only when strict).
+
+The daemon's status codes map back to these in one place, `from_rpc_error`."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class DepotError(Exception):
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+
+class InvalidRequest(DepotError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(DepotError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FailedPrecondition(DepotError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(DepotError):
+    """The daemon did not answer in time or is not running: for the engine, a cache miss."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+_BY_CODE: dict[grpc.StatusCode, type[DepotError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.CANCELLED: Unavailable,
+}
+
+
+def from_rpc_error(e: grpc.RpcError) -> DepotError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    details = e.details() if hasattr(e, "details") else str(e)  # type: ignore[attr-defined]
+    err = _BY_CODE.get(code, DepotError)(f"{code.name}: {details}")
+    err.code = code
+    return err

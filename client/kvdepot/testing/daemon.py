@@ -1,0 +1,89 @@
+"""Start a real kvdepotd process for tests and benchmarks (free TCP port + Unix socket)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class DaemonProcess:
+    """A kvdepotd child process. `tcp` and `unix` are addresses a client can use."""
+
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    tcp: str = ""
+    unix: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: str = ""
+
+    def start(self, timeout_s: float = 20.0) -> DaemonProcess:
+        tmp = tempfile.mkdtemp(prefix="kvdepotd-")
+        self.tcp = self.tcp or f"127.0.0.1:{free_port()}"
+        self.unix = self.unix or f"unix:{tmp}/kvdepotd.sock"
+        self.log_path = os.path.join(tmp, "kvdepotd.log")
+        cmd = [sys.executable, "-m", "kvdepotd", "serve", "--listen", self.tcp, "--listen", self.unix, "--metrics-listen", "", *self.args]
+        env = {**os.environ, **self.env}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.wait_serving(timeout_s)
+        return self
+
+    def wait_serving(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.tcp) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kvdepotd exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=0.5).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                if time.monotonic() > end:
+                    raise TimeoutError(f"kvdepotd did not serve within {timeout_s} s:\n{self.log()}")
+                time.sleep(0.05)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

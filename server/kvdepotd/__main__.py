@@ -1,0 +1,5 @@
+import sys
+
+from kvdepotd.cli import main
+
+sys.exit(main())

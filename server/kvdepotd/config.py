@@ -1,0 +1,178 @@
+"""Daemon configuration: one table of options, read from defaults < TOML file < KVDEPOT_* env < flags.
+
+Every option has one name: `host_gib` in the file, `KVDEPOT_HOST_GIB` in the environment,
+`--host-gib` on the command line. Unknown keys and bad values are errors that say which source
+held them. The result is a frozen DaemonConfig; the core never reads files or the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+DEFAULT_LISTEN = "127.0.0.1:50061"
+ENV_PREFIX = "KVDEPOT_"
+
+
+class ConfigError(ValueError):
+    """A bad option; the message names the option and where it came from."""
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    listen: tuple[str, ...] = (DEFAULT_LISTEN,)
+    host_gib: float = 4.0
+    slab_mib: int = 64
+    metrics_listen: str = "127.0.0.1:9464"
+    lease_ms: int = 30_000
+    pin_ms: int = 30_000
+    op_timeout_ms: int = 30_000
+    max_tokens: int = 1 << 21
+    max_message_mib: int = 64
+    eviction_policy: str = "leaf-lru"
+    drain_grace_s: float = 10.0
+    log_level: str = "info"
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.host_gib * (1 << 30))
+
+
+HELP: dict[str, str] = {
+    "listen": f"address to serve gRPC on: HOST:PORT or unix:PATH (repeatable; env: comma-separated). Default {DEFAULT_LISTEN}",
+    "host_gib": "host-memory tier size in GiB (G2). Default 4",
+    "slab_mib": "slab size in MiB; the host tier is handed to layout classes in slabs. Default 64",
+    "metrics_listen": "HOST:PORT for Prometheus /metrics over HTTP; empty disables. Default 127.0.0.1:9464",
+    "lease_ms": "engine lease: an engine that sends no heartbeat for this long is released. Default 30000",
+    "pin_ms": "how long a Lookup keeps its matched blocks pinned by default. Default 30000",
+    "op_timeout_ms": "deadline of every load and store op. Default 30000",
+    "max_tokens": "most tokens one request may carry. Default 2097152",
+    "max_message_mib": "largest gRPC message accepted, in MiB. Default 64",
+    "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
+    "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
+    "log_level": "debug, info, warning or error. Default info",
+}
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _positive(name: str, conv: Callable[[Any], Any], allow_zero: bool = False) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError("expected a number")
+        x = conv(v)
+        if x < 0 or (x == 0 and not allow_zero):
+            raise ValueError(f"must be {'>= 0' if allow_zero else '> 0'}")
+        return x
+
+    return check
+
+
+def _listen(v: Any) -> tuple[str, ...]:
+    items = [s.strip() for s in v.split(",")] if isinstance(v, str) else list(v)
+    if not items or not all(isinstance(s, str) and s for s in items):
+        raise ValueError("expected one or more addresses")
+    for s in items:
+        check_address(s)
+    return tuple(items)
+
+
+def _choice(*allowed: str) -> Callable[[Any], str]:
+    def check(v: Any) -> str:
+        if v not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return str(v)
+
+    return check
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("expected a string")
+    if v:
+        check_address(v)
+    return v
+
+
+PARSERS: dict[str, Callable[[Any], Any]] = {
+    "listen": _listen,
+    "host_gib": _positive("host_gib", float, allow_zero=True),
+    "slab_mib": _positive("slab_mib", int),
+    "metrics_listen": _text,
+    "lease_ms": _positive("lease_ms", int),
+    "pin_ms": _positive("pin_ms", int),
+    "op_timeout_ms": _positive("op_timeout_ms", int),
+    "max_tokens": _positive("max_tokens", int),
+    "max_message_mib": _positive("max_message_mib", int),
+    "eviction_policy": _choice("leaf-lru"),
+    "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
+    "log_level": _choice(*LOG_LEVELS),
+}
+
+
+def check_address(addr: str) -> None:
+    """HOST:PORT (IPv6 as [::1]:PORT) or unix:PATH / unix:///abs/path."""
+    if addr.startswith("unix:"):
+        if len(addr) == len("unix:"):
+            raise ValueError(f"{addr!r}: unix: needs a path")
+        return
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{addr!r} is not HOST:PORT or unix:PATH")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the options below (env: KVDEPOT_CONFIG)")
+    for f in fields(DaemonConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "listen":
+            parser.add_argument(flag, action="append", metavar="ADDR", help=HELP[f.name])
+        else:
+            parser.add_argument(flag, metavar=f.name.split("_")[-1].upper(), help=HELP[f.name])
+
+
+def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> DaemonConfig:
+    values: dict[str, Any] = {}
+    path = args.config or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        values.update(_parse_source(_read_toml(path), f"config file {path}"))
+    # Other KVDEPOT_* variables (the client's KVDEPOT_ADDRESS, say) are not the daemon's business.
+    env_values = {
+        k[len(ENV_PREFIX) :].lower(): v
+        for k, v in env.items()
+        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() in PARSERS
+    }
+    values.update(_parse_source(env_values, "environment", prefix=ENV_PREFIX))
+    flag_values = {f.name: getattr(args, f.name) for f in fields(DaemonConfig) if getattr(args, f.name, None) is not None}
+    values.update(_parse_source(flag_values, "command line", prefix="--"))
+    return DaemonConfig(**values)
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def _parse_source(raw: Mapping[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in PARSERS:
+            known = ", ".join(sorted(PARSERS))
+            raise ConfigError(f"unknown option {prefix}{key} in {where}; known options: {known}")
+        try:
+            out[name] = PARSERS[name](value)
+        except (ValueError, TypeError) as e:
+            shown = (prefix + name.upper()) if prefix == ENV_PREFIX else (prefix + name.replace("_", "-") if prefix else name)
+            raise ConfigError(f"bad value {value!r} for {shown} in {where}: {e}") from None
+    return out

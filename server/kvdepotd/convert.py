@@ -1,0 +1,169 @@
+"""Protobuf <-> core values. The service calls these and nothing else touches wire types."""
+
+from __future__ import annotations
+
+import array
+import sys
+
+from kvdepot.layout import KvLayout
+from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepotd.core.depot import Engine, StepPlan
+from kvdepotd.core.errors import InvalidRequest
+from kvdepotd.core.ops import Op, OpKind, RequestId
+from kvdepotd.core.slots import Slot, SlotUpdate, UpdateStyle
+
+STYLE = {
+    pb.UPDATE_STYLE_UNSPECIFIED: UpdateStyle.VLLM,
+    pb.UPDATE_STYLE_VLLM: UpdateStyle.VLLM,
+    pb.UPDATE_STYLE_TRTLLM: UpdateStyle.TRTLLM,
+}
+STYLE_PB = {UpdateStyle.VLLM: pb.UPDATE_STYLE_VLLM, UpdateStyle.TRTLLM: pb.UPDATE_STYLE_TRTLLM}
+KIND_PB = {OpKind.LOAD: pb.OP_KIND_LOAD, OpKind.STORE: pb.OP_KIND_STORE}
+
+
+def layout_from_pb(m: pb.KvLayout) -> KvLayout:
+    return KvLayout(m.num_layers, m.num_kv_heads, m.head_size, m.dtype, m.block_size, m.world_size)
+
+
+def layout_to_pb(lay: KvLayout) -> pb.KvLayout:
+    return pb.KvLayout(
+        num_layers=lay.num_layers,
+        num_kv_heads=lay.num_kv_heads,
+        head_size=lay.head_size,
+        dtype=lay.dtype,
+        block_size=lay.block_size,
+        world_size=lay.world_size,
+    )
+
+
+def style_from_pb(value: int) -> UpdateStyle:
+    try:
+        return STYLE[value]
+    except KeyError:
+        raise InvalidRequest(f"unknown update_style {value}") from None
+
+
+def u32_bytes(values: object) -> bytes:
+    arr = array.array("I", values)  # type: ignore[call-overload]
+    if sys.byteorder != "little":  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def lookup_tokens(req: pb.LookupRequest) -> bytes:
+    if req.tokens and req.tokens_u32le:
+        raise InvalidRequest("set either tokens or tokens_u32le, not both")
+    if req.tokens_u32le:
+        if len(req.tokens_u32le) % 4:
+            raise InvalidRequest(f"tokens_u32le has {len(req.tokens_u32le)} bytes, not a multiple of 4")
+        return req.tokens_u32le
+    return u32_bytes(req.tokens)
+
+
+def step_updates(req: pb.StepRequest) -> list[SlotUpdate]:
+    """Cuts the columnar arrays into one SlotUpdate per request, checking that they line up."""
+    n = len(req.request_ids)
+    for name in ("is_new", "device_matched_tokens", "loaded_tokens", "computed_tokens", "scheduled_tokens", "num_new_tokens", "num_new_block_ids"):
+        got = len(getattr(req, name))
+        if got != n:
+            raise InvalidRequest(f"{name} has {got} entries for {n} request_ids (columns must line up)")
+    for name in ("cache_salt", "lora_name"):
+        got = len(getattr(req, name))
+        if got not in (0, n):
+            raise InvalidRequest(f"{name} has {got} entries for {n} request_ids (0 or one per request)")
+    ntok = list(req.num_new_tokens)
+    nblk = list(req.num_new_block_ids)
+    if sum(ntok) != len(req.new_tokens):
+        raise InvalidRequest(f"num_new_tokens add up to {sum(ntok)} but new_tokens has {len(req.new_tokens)}")
+    if sum(nblk) != len(req.new_block_ids):
+        raise InvalidRequest(f"num_new_block_ids add up to {sum(nblk)} but new_block_ids has {len(req.new_block_ids)}")
+    tokens = memoryview(u32_bytes(req.new_tokens))
+    blocks = tuple(req.new_block_ids)
+    salts = list(req.cache_salt) or [""] * n
+    loras = list(req.lora_name) or [""] * n
+    out: list[SlotUpdate] = []
+    t = b = 0
+    for i, (rid, new, L, E, C, S) in enumerate(
+        zip(req.request_ids, req.is_new, req.device_matched_tokens, req.loaded_tokens, req.computed_tokens, req.scheduled_tokens)
+    ):
+        nt, nb = ntok[i], nblk[i]
+        out.append(
+            SlotUpdate(
+                RequestId(rid), new, C, S, bytes(tokens[4 * t : 4 * (t + nt)]), blocks[b : b + nb], L, E, salts[i], loras[i]
+            )
+        )
+        t += nt
+        b += nb
+    return out
+
+
+def op_to_pb(op: Op) -> pb.Op:
+    return pb.Op(
+        op_id=op.op_id,
+        kind=KIND_PB[op.kind],
+        request_id=op.request_id,
+        block_ids=op.block_ids,
+        block_indices=op.block_indices,
+        step=op.step,
+        deadline_unix_ms=op.deadline_ms,
+    )
+
+
+def plan_to_pb(plan: StepPlan) -> pb.StepResponse:
+    return pb.StepResponse(step=plan.step, ops=[op_to_pb(op) for op in plan.ops], delay_free=plan.delay_free)
+
+
+def op_completed_pb(op: Op) -> pb.WorkerEvent:
+    return pb.WorkerEvent(
+        op_completed=pb.WorkerEvent.OpCompleted(
+            op_id=op.op_id,
+            kind=KIND_PB[op.kind],
+            request_id=op.request_id,
+            success=op.success,
+            failed_block_ids=op.failed_block_ids(),
+            message=op.message,
+        )
+    )
+
+
+def slot_summary(slot: Slot) -> pb.SlotSummary:
+    return pb.SlotSummary(
+        request_id=slot.request_id,
+        state=slot.phase.value,
+        tokens=slot.num_tokens,
+        computed_tokens=slot.computed,
+        device_matched_tokens=slot.device_matched,
+        loaded_tokens=slot.loaded,
+        stored_blocks=slot.stored_blocks,
+        ops_in_flight=len(slot.ops),
+        last_step=max(slot.last_step, 0),
+    )
+
+
+def slot_blocks(slot: Slot) -> list[pb.BlockState]:
+    table = slot.block_table
+    return [
+        pb.BlockState(
+            index=i,
+            hash=h,
+            state=st.value,
+            engine_block_id=table[i] if i < len(table) else 0,
+            has_engine_block=i < len(table),
+        )
+        for i, (h, st) in enumerate(zip(slot.hashes, slot.states))
+    ]
+
+
+def engine_info(eng: Engine, ranks: list[int]) -> pb.EngineInfo:
+    return pb.EngineInfo(
+        engine_id=eng.engine_id,
+        engine_name=eng.name,
+        model=eng.model,
+        layout=layout_to_pb(eng.layout),
+        namespace=eng.namespace,
+        update_style=STYLE_PB[eng.style],
+        slots=len(eng.slots),
+        lease_expires_unix_ms=eng.lease_expires_ms,
+        attached_ranks=ranks,
+        last_step=max(eng.last_step, 0),
+    )

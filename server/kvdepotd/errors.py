@@ -1,0 +1,17 @@
+"""The one place that maps core errors to gRPC status codes (the client maps them back)."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
+
+STATUS: dict[type[DepotError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def status_of(err: DepotError) -> grpc.StatusCode:
+    return STATUS.get(type(err), grpc.StatusCode.INVALID_ARGUMENT)

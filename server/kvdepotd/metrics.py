@@ -1,0 +1,57 @@
+"""Prometheus metrics. Depot counters and pool gauges are read at scrape time (nothing on the hot
+path); RPC latency and errors are observed per call. Names: kvdepot_<what>[_<unit>][_total]."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvdepotd.core.depot import Depot
+
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+
+
+class DepotCollector(Collector):
+    def __init__(self, depot: Depot) -> None:
+        self.depot = depot
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.depot
+        for name, value in sorted(d.all_counters().items()):
+            c = CounterMetricFamily(f"kvdepot_{name}", f"kvdepot core counter {name}")
+            c.add_metric([], value)
+            yield c
+        yield GaugeMetricFamily("kvdepot_engines", "registered engines", value=len(d.engines))
+        yield GaugeMetricFamily("kvdepot_slots", "request slots", value=sum(len(e.slots) for e in d.engines.values()))
+        yield GaugeMetricFamily("kvdepot_ops_in_flight", "load and store ops not yet ended", value=len(d.ops.ops))
+        labels = ["layout_class", "tier"]
+        gauges = {
+            "capacity": GaugeMetricFamily("kvdepot_pool_capacity_blocks", "blocks the pool holds or can still claim", labels=labels),
+            "used": GaugeMetricFamily("kvdepot_pool_used_blocks", "blocks resident or being stored", labels=labels),
+            "pinned": GaugeMetricFamily("kvdepot_pool_pinned_blocks", "blocks pinned by lookups or loads", labels=labels),
+            "storing": GaugeMetricFamily("kvdepot_pool_in_flight_blocks", "blocks being stored", labels=labels),
+        }
+        for dom in d.domains.values():
+            reg, lv = dom.registry, [dom.layout_class, "host"]
+            gauges["capacity"].add_metric(lv, reg.pool.capacity_blocks)
+            gauges["used"].add_metric(lv, reg.pool.num_used)
+            gauges["pinned"].add_metric(lv, reg.num_pinned)
+            gauges["storing"].add_metric(lv, reg.num_storing)
+        yield from gauges.values()
+        yield GaugeMetricFamily("kvdepot_host_tier_bytes", "configured host tier size", value=d.host_arena.total_bytes)
+
+
+class Metrics:
+    def __init__(self, depot: Depot | None = None) -> None:
+        self.registry = CollectorRegistry()
+        self.rpc_seconds = Histogram(
+            "kvdepot_rpc_duration_seconds", "time spent serving one RPC", ["method"], registry=self.registry, buckets=RPC_BUCKETS
+        )
+        self.rpc_errors = Counter("kvdepot_rpc_errors", "RPCs answered with an error status", ["method", "code"], registry=self.registry)
+        if depot is not None:
+            self.registry.register(DepotCollector(depot))

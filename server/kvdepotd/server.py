@@ -1,0 +1,148 @@
+"""Assembles and runs the daemon: gRPC server, health, reflection, metrics, signals, drain.
+
+Lifecycle (STYLE.md 10): run() serves until SIGTERM/SIGINT, then shutdown() drains in order:
+health NOT_SERVING -> stop accepting -> let in-flight RPCs finish within the grace -> end ops ->
+close worker streams. shutdown() is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
+from kvdepotd.config import DaemonConfig
+from kvdepotd.core.depot import Depot, DepotConfig
+from kvdepotd.metrics import Metrics
+from kvdepotd.service import DepotService
+
+log = logging.getLogger("kvdepotd")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
+
+
+class StartupError(RuntimeError):
+    """The daemon cannot start as configured; the message says why."""
+
+
+def depot_config(cfg: DaemonConfig) -> DepotConfig:
+    return DepotConfig(
+        host_bytes=cfg.host_bytes,
+        slab_bytes=cfg.slab_mib << 20,
+        lease_ms=cfg.lease_ms,
+        pin_ms=cfg.pin_ms,
+        op_timeout_ms=cfg.op_timeout_ms,
+        max_tokens=cfg.max_tokens,
+        eviction_policy=cfg.eviction_policy,
+    )
+
+
+def _prepare_unix(addr: str) -> None:
+    """Creates the socket's folder and removes a stale socket file nobody listens on."""
+    path = addr[len("unix://") :] if addr.startswith("unix://") else addr[len("unix:") :]
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise StartupError(f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(path)
+        except OSError:
+            os.unlink(path)
+            return
+    raise StartupError(f"another process is serving on {addr}")
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.depot = Depot(depot_config(cfg))
+        self.metrics = Metrics(self.depot)
+        self.service = DepotService(self.depot, self.metrics)
+        self.health = HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.addresses: list[str] = []
+        self.metrics_address = ""
+        self._metrics_http: object | None = None
+        self._stopped = asyncio.Event()
+        self._shutdown_started = False
+
+    async def start(self) -> None:
+        mib = self.cfg.max_message_mib << 20
+        server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", mib), ("grpc.max_send_message_length", mib), ("grpc.so_reuseport", 0)]
+        )
+        pb_grpc.add_BlockManagerServicer_to_server(self.service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+        for addr in self.cfg.listen:
+            if addr.startswith("unix:"):
+                _prepare_unix(addr)
+            try:
+                port = server.add_insecure_port(addr)
+            except RuntimeError as e:
+                raise StartupError(f"cannot listen on {addr}: {e}") from None
+            if not addr.startswith("unix:") and addr.endswith(":0"):
+                addr = f"{addr[:-2]}:{port}"
+            self.addresses.append(addr)
+        if self.cfg.metrics_listen:
+            host, _, port_s = self.cfg.metrics_listen.rpartition(":")
+            try:
+                srv, _thread = start_http_server(int(port_s), addr=host.strip("[]"), registry=self.metrics.registry)
+            except OSError as e:
+                raise StartupError(f"cannot serve metrics on {self.cfg.metrics_listen}: {e.strerror}") from None
+            self._metrics_http = srv
+            self.metrics_address = f"http://{host}:{srv.server_port}/metrics"
+        await server.start()
+        self.server = server
+        self.service.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvdepotd serving on %s", ", ".join(self.addresses))
+        log.info(
+            "host tier %.2f GiB (%d-MiB slabs), lease %d ms, op deadline %d ms, metrics %s",
+            self.cfg.host_gib, self.cfg.slab_mib, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
+        )
+
+    async def run(self) -> None:
+        await self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, lambda s=sig: loop.create_task(self.shutdown(signal.Signals(s).name)))
+        await self._stopped.wait()
+
+    async def shutdown(self, why: str = "shutdown") -> None:
+        if self._shutdown_started:
+            return
+        self._shutdown_started = True
+        log.info("%s: draining (health NOT_SERVING, grace %.1f s)", why, self.cfg.drain_grace_s)
+        await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.service.close()
+            await self.server.stop(self.cfg.drain_grace_s)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()  # type: ignore[attr-defined]
+        for addr in self.addresses:
+            if addr.startswith("unix:"):
+                path = addr[len("unix://") :] if addr.startswith("unix://") else addr[len("unix:") :]
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        log.info("stopped")
+        self._stopped.set()

@@ -1,0 +1,372 @@
+"""The gRPC edge: translates protobuf to Depot calls and back, routes worker events, runs the
+copy engine's results back into the core. No slot logic lives here.
+
+Everything runs on one event loop, so the Depot needs no locks. After every call that can create
+work, `_pump()` hands ready op parts to the copy engine and routes the core's events to the
+workers' streams (or a bounded backlog while a rank is not attached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
+from kvdepotd import convert
+from kvdepotd.core.depot import Depot, OpCompleted, RequestReleased
+from kvdepotd.core.errors import DepotError, InvalidRequest, NotFound
+from kvdepotd.core.ops import EngineId, OpId, RequestId
+from kvdepotd.errors import status_of
+from kvdepotd.metrics import Metrics
+from kvdepotd.transfer import BookkeepingCopyEngine, CopyEngine, PartDone
+
+log = logging.getLogger("kvdepotd")
+T = TypeVar("T")
+BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
+TICK_S = 0.05
+
+
+def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Maps core errors to a status with their message; anything else is a bug: logged, INTERNAL."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: DepotService, request: Any, context: grpc.aio.ServicerContext) -> T:
+        t0 = time.perf_counter()
+        try:
+            return await fn(self, request, context)
+        except DepotError as e:
+            self.metrics.rpc_errors.labels(name, status_of(e).name).inc()
+            await context.abort(status_of(e), str(e))
+        except ValueError as e:  # protobuf range errors and the like from a malformed message
+            self.metrics.rpc_errors.labels(name, "INVALID_ARGUMENT").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {e}")
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:
+            log.exception("%s failed", name)
+            self.metrics.rpc_errors.labels(name, "INTERNAL").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"{name}: internal error (see the daemon log)")
+        finally:
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - t0)
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
+class WorkerChannel:
+    """One attached worker stream: a queue the service fills and the stream drains."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[pb.WorkerEvent | None] = asyncio.Queue()
+        self.closed_reason: str | None = None
+
+    def close(self, reason: str) -> None:
+        self.closed_reason = reason
+        self.queue.put_nowait(None)
+
+
+class DepotService(pb_grpc.BlockManagerServicer):
+    def __init__(self, depot: Depot, metrics: Metrics, copy_engine: type[CopyEngine] = BookkeepingCopyEngine) -> None:
+        self.depot = depot
+        self.metrics = metrics
+        self.copy = copy_engine(self._parts_done)
+        self.channels: dict[tuple[EngineId, int], WorkerChannel] = {}
+        self.backlog: dict[tuple[EngineId, int], deque[pb.WorkerEvent]] = {}
+        self.started = time.time()
+        self._ticker: asyncio.Task[None] | None = None
+
+    @staticmethod
+    def now_ms() -> int:
+        return int(time.time() * 1000)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        await self.copy.close()
+        for ch in list(self.channels.values()):
+            ch.close("daemon shutting down")
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                before = set(self.depot.engines)
+                self.depot.expire(self.now_ms())
+                for gone in before - set(self.depot.engines):
+                    log.warning("engine %s lease expired: its slots, pins and ops were released", gone)
+                    self._close_engine(gone, "engine lease expired")
+                self._pump()
+            except Exception:  # the ticker must not die: a bug here is logged, the daemon serves on
+                log.exception("expiry tick failed")
+
+    # -- the pump ---------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        parts = self.depot.take_ready()
+        while parts:
+            self.copy.submit(parts)
+            parts = self.depot.take_ready()
+        for ev in self.depot.take_events():
+            if isinstance(ev, OpCompleted):
+                msg = convert.op_completed_pb(ev.op)
+            else:
+                msg = pb.WorkerEvent(request_released=pb.WorkerEvent.RequestReleased(request_id=ev.request_id))
+            self._route(ev, msg)
+
+    def _route(self, ev: OpCompleted | RequestReleased, msg: pb.WorkerEvent) -> None:
+        eng = self.depot.engines.get(ev.engine_id)
+        if eng is None:
+            return
+        for rank in range(eng.layout.world_size):
+            key = (ev.engine_id, rank)
+            ch = self.channels.get(key)
+            if ch is not None:
+                ch.queue.put_nowait(msg)
+            else:
+                self.backlog.setdefault(key, deque(maxlen=BACKLOG)).append(msg)
+
+    def _parts_done(self, done: list[PartDone]) -> None:
+        for d in done:
+            self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message)
+
+    def _close_engine(self, engine_id: EngineId, reason: str) -> None:
+        for key in [k for k in self.channels if k[0] == engine_id]:
+            self.channels.pop(key).close(reason)
+        for key in [k for k in self.backlog if k[0] == engine_id]:
+            del self.backlog[key]
+
+    def _touch_lease(self, engine_id: EngineId) -> None:
+        """Any call from an engine proves it alive; heartbeats only matter when it is idle."""
+        eng = self.depot.engines.get(engine_id)
+        if eng is not None:
+            eng.lease_expires_ms = self.now_ms() + eng.lease_ms
+
+    # -- engines ----------------------------------------------------------------------------------
+    @rpc
+    async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.RegisterEngineResponse:
+        if not request.HasField("layout"):
+            raise InvalidRequest("layout is required")
+        engine_id = EngineId(f"eng-{uuid.uuid4().hex[:12]}")
+        eng = self.depot.register_engine(
+            engine_id,
+            name=request.engine_name,
+            model=request.model,
+            layout=convert.layout_from_pb(request.layout),
+            namespace=request.namespace,
+            style=convert.style_from_pb(request.update_style),
+            lease_ms=request.lease_ms,
+            now_ms=self.now_ms(),
+        )
+        log.info(
+            "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s",
+            engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value,
+        )
+        return pb.RegisterEngineResponse(
+            engine_id=engine_id,
+            lease_ms=eng.lease_ms,
+            block_bytes=eng.layout.block_bytes,
+            host_capacity_blocks=self.depot.capacity_blocks(engine_id),
+        )
+
+    @rpc
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        return pb.HeartbeatResponse(lease_expires_unix_ms=self.depot.heartbeat(EngineId(request.engine_id), self.now_ms()))
+
+    @rpc
+    async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
+        engine_id = EngineId(request.engine_id)
+        released = self.depot.unregister_engine(engine_id)
+        self._close_engine(engine_id, "engine unregistered")
+        self._pump()
+        log.info("engine %s unregistered (%d slots released)", engine_id, released)
+        return pb.UnregisterEngineResponse(released_slots=released)
+
+    # -- the engine path ------------------------------------------------------------------------
+    @rpc
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        engine_id = EngineId(request.engine_id)
+        res = self.depot.lookup(
+            engine_id,
+            RequestId(request.request_id),
+            convert.lookup_tokens(request),
+            cache_salt=request.cache_salt,
+            lora_name=request.lora_name,
+            device_matched_tokens=request.device_matched_tokens,
+            pin_ms=request.pin_ms,
+            now_ms=self.now_ms(),
+        )
+        self._touch_lease(engine_id)
+        by_tier = [pb.TierTokens(tier=pb.TIER_HOST, tokens=res.host_tokens)] if res.host_tokens else []
+        return pb.LookupResponse(
+            matched_tokens=res.matched_tokens,
+            by_tier=by_tier,
+            pin_deadline_unix_ms=res.pin_deadline_ms,
+            total_blocks=res.total_blocks,
+        )
+
+    @rpc
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        engine_id = EngineId(request.engine_id)
+        plan = self.depot.step(
+            engine_id,
+            request.step,
+            convert.step_updates(request),
+            [RequestId(r) for r in request.finished],
+            [RequestId(r) for r in request.preempted],
+            self.now_ms(),
+        )
+        self._touch_lease(engine_id)
+        self._pump()
+        return convert.plan_to_pb(plan)
+
+    async def WorkerStream(
+        self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WorkerEvent]:
+        it = request_iterator.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            return
+        key, err = self._attach(first)
+        if err is not None:
+            await context.abort(*err)
+            return
+        ch = WorkerChannel()
+        old = self.channels.get(key)
+        if old is not None:
+            old.close(f"rank {key[1]} attached again on another stream")
+        self.channels[key] = ch
+        for msg in self.backlog.pop(key, ()):
+            ch.queue.put_nowait(msg)
+        log.info("engine %s rank %d attached", *key)
+        reader = asyncio.get_running_loop().create_task(self._read_worker(it, key, ch))
+        try:
+            yield pb.WorkerEvent(attached=pb.WorkerEvent.Attached(rank=key[1]))
+            while True:
+                msg = await ch.queue.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            if self.channels.get(key) is ch:
+                del self.channels[key]
+                log.info("engine %s rank %d detached", *key)
+        if ch.closed_reason is not None and ch.closed_reason != "stream ended":
+            await context.abort(grpc.StatusCode.UNAVAILABLE if "shutting down" in ch.closed_reason else grpc.StatusCode.NOT_FOUND, ch.closed_reason)
+
+    def _attach(self, first: pb.WorkerMessage) -> tuple[tuple[EngineId, int], tuple[grpc.StatusCode, str] | None]:
+        if first.WhichOneof("msg") != "attach":
+            return (EngineId(""), 0), (grpc.StatusCode.INVALID_ARGUMENT, "the first message on a worker stream must be attach")
+        engine_id, rank = EngineId(first.attach.engine_id), first.attach.rank
+        eng = self.depot.engines.get(engine_id)
+        if eng is None:
+            return (engine_id, rank), (grpc.StatusCode.NOT_FOUND, f"engine {engine_id!r} is not registered")
+        if rank >= eng.layout.world_size:
+            return (engine_id, rank), (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank {rank} is outside the engine's world size {eng.layout.world_size}",
+            )
+        return (engine_id, rank), None
+
+    async def _read_worker(self, it: AsyncIterator[pb.WorkerMessage], key: tuple[EngineId, int], ch: WorkerChannel) -> None:
+        engine_id, rank = key
+        try:
+            async for msg in it:
+                which = msg.WhichOneof("msg")
+                if which == "forward_done":
+                    self.depot.forward_done(engine_id, rank, msg.forward_done.step)
+                    self._touch_lease(engine_id)
+                    self._pump()
+                else:
+                    ch.close(f"unexpected {which or 'empty'} message after attach")
+                    return
+            ch.close("stream ended")
+        except NotFound as e:
+            ch.close(str(e))
+        except DepotError as e:
+            ch.close(str(e))
+        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+
+    # -- inspection and admin ---------------------------------------------------------------------
+    @rpc
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        d = self.depot
+        pools = []
+        for dom in d.domains.values():
+            reg = dom.registry
+            pools.append(
+                pb.PoolStats(
+                    layout_class=dom.layout_class,
+                    tier=pb.TIER_HOST,
+                    block_bytes=dom.block_bytes,
+                    capacity_blocks=reg.pool.capacity_blocks,
+                    used_blocks=reg.pool.num_used,
+                    pinned_blocks=reg.num_pinned,
+                    in_flight_blocks=reg.num_storing,
+                )
+            )
+        return pb.GetStatsResponse(
+            engines=len(d.engines),
+            slots=sum(len(e.slots) for e in d.engines.values()),
+            ops_in_flight=len(d.ops.ops),
+            pools=pools,
+            counters=d.all_counters(),
+            host_bytes=d.host_arena.total_bytes,
+            uptime_s=time.time() - self.started,
+        )
+
+    @rpc
+    async def ListEngines(self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext) -> pb.ListEnginesResponse:
+        return pb.ListEnginesResponse(
+            engines=[
+                convert.engine_info(e, sorted(r for (eid, r) in self.channels if eid == e.engine_id))
+                for e in self.depot.engines.values()
+            ]
+        )
+
+    @rpc
+    async def ListSlots(self, request: pb.ListSlotsRequest, context: grpc.aio.ServicerContext) -> pb.ListSlotsResponse:
+        eng = self.depot.engine(EngineId(request.engine_id))
+        return pb.ListSlotsResponse(slots=[convert.slot_summary(s) for s in eng.slots.values()])
+
+    @rpc
+    async def GetSlot(self, request: pb.GetSlotRequest, context: grpc.aio.ServicerContext) -> pb.GetSlotResponse:
+        slot = self.depot.slot(EngineId(request.engine_id), RequestId(request.request_id))
+        return pb.GetSlotResponse(summary=convert.slot_summary(slot), blocks=convert.slot_blocks(slot))
+
+    @rpc
+    async def GetBlock(self, request: pb.GetBlockRequest, context: grpc.aio.ServicerContext) -> pb.GetBlockResponse:
+        e = self.depot.block_info(EngineId(request.engine_id), request.hash)  # type: ignore[arg-type]
+        if e is None:
+            return pb.GetBlockResponse(found=False)
+        return pb.GetBlockResponse(
+            found=True,
+            tiers=[pb.TIER_HOST],
+            state=e.status.value,
+            pins=e.pins,
+            hits=e.hits,
+            has_parent=e.parent is not None,
+            parent=e.parent or 0,
+            children=e.children,
+        )
+
+    @rpc
+    async def Clear(self, request: pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
+        dropped, kept = self.depot.clear()
+        log.info("clear: dropped %d blocks, kept %d pinned or in flight", dropped, kept)
+        return pb.ClearResponse(dropped_blocks=dropped, kept_blocks=kept)

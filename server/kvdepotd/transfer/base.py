@@ -1,0 +1,36 @@
+"""Copy engine contract.
+
+    submit(parts)   hands over op parts [(op, rank)] that may start now; returns at once
+    on_done         the callback a result comes back through, on the event loop:
+                    PartDone(op_id, rank, failed block indices, message)
+    close()         finishes or fails what is running, within the drain grace
+
+A part that cannot run reports its blocks as failed, never as success.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvdepotd.core.ops import Op, OpId
+
+
+@dataclass(frozen=True, slots=True)
+class PartDone:
+    op_id: OpId
+    rank: int
+    failed: list[int]
+    message: str = ""
+
+
+class CopyEngine(ABC):
+    def __init__(self, on_done: Callable[[list[PartDone]], None]) -> None:
+        self.on_done = on_done
+
+    @abstractmethod
+    def submit(self, parts: list[tuple[Op, int]]) -> None: ...
+
+    async def close(self) -> None:
+        return None
