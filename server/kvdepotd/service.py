@@ -23,7 +23,7 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
 from kvdepotd.core.depot import Depot, OpCompleted, RequestReleased
-from kvdepotd.core.errors import DepotError, InvalidRequest, NotFound
+from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.errors import status_of
 from kvdepotd.metrics import Metrics
@@ -35,6 +35,26 @@ BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is att
 TICK_S = 0.05
 
 
+class BadMessage:
+    """A request whose bytes are not a valid message of its type (see safe_parser)."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def WhichOneof(self, _: str) -> None:  # so a worker stream's first-message check rejects it
+        return None
+
+
+def safe_parser(cls: Any, method: str) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except Exception as e:  # DecodeError and friends: the bytes are not this message
+            return BadMessage(f"{method}: the request is not a valid {cls.DESCRIPTOR.full_name} ({e})")
+
+    return parse
+
+
 def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     """Maps core errors to a status with their message; anything else is a bug: logged, INTERNAL."""
     name = fn.__name__
@@ -43,6 +63,8 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     async def wrapper(self: DepotService, request: Any, context: grpc.aio.ServicerContext) -> T:
         t0 = time.perf_counter()
         try:
+            if isinstance(request, BadMessage):
+                raise InvalidRequest(request.what)
             return await fn(self, request, context)
         except DepotError as e:
             self.metrics.rpc_errors.labels(name, status_of(e).name).inc()
@@ -68,10 +90,10 @@ class WorkerChannel:
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[pb.WorkerEvent | None] = asyncio.Queue()
-        self.closed_reason: str | None = None
+        self.closed: tuple[grpc.StatusCode, str] | None = None  # None: ended by the worker
 
-    def close(self, reason: str) -> None:
-        self.closed_reason = reason
+    def close(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.NOT_FOUND) -> None:
+        self.closed = (code, reason)
         self.queue.put_nowait(None)
 
 
@@ -98,7 +120,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             self._ticker.cancel()
         await self.copy.close()
         for ch in list(self.channels.values()):
-            ch.close("daemon shutting down")
+            ch.close("daemon shutting down", grpc.StatusCode.UNAVAILABLE)
 
     async def _tick(self) -> None:
         while True:
@@ -247,7 +269,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         ch = WorkerChannel()
         old = self.channels.get(key)
         if old is not None:
-            old.close(f"rank {key[1]} attached again on another stream")
+            old.close(f"rank {key[1]} attached again on another stream", grpc.StatusCode.CANCELLED)
         self.channels[key] = ch
         for msg in self.backlog.pop(key, ()):
             ch.queue.put_nowait(msg)
@@ -265,10 +287,12 @@ class DepotService(pb_grpc.BlockManagerServicer):
             if self.channels.get(key) is ch:
                 del self.channels[key]
                 log.info("engine %s rank %d detached", *key)
-        if ch.closed_reason is not None and ch.closed_reason != "stream ended":
-            await context.abort(grpc.StatusCode.UNAVAILABLE if "shutting down" in ch.closed_reason else grpc.StatusCode.NOT_FOUND, ch.closed_reason)
+        if ch.closed is not None:
+            await context.abort(*ch.closed)
 
     def _attach(self, first: pb.WorkerMessage) -> tuple[tuple[EngineId, int], tuple[grpc.StatusCode, str] | None]:
+        if isinstance(first, BadMessage):
+            return (EngineId(""), 0), (grpc.StatusCode.INVALID_ARGUMENT, first.what)
         if first.WhichOneof("msg") != "attach":
             return (EngineId(""), 0), (grpc.StatusCode.INVALID_ARGUMENT, "the first message on a worker stream must be attach")
         engine_id, rank = EngineId(first.attach.engine_id), first.attach.rank
@@ -286,19 +310,20 @@ class DepotService(pb_grpc.BlockManagerServicer):
         engine_id, rank = key
         try:
             async for msg in it:
+                if isinstance(msg, BadMessage):
+                    ch.close(msg.what, grpc.StatusCode.INVALID_ARGUMENT)
+                    return
                 which = msg.WhichOneof("msg")
                 if which == "forward_done":
                     self.depot.forward_done(engine_id, rank, msg.forward_done.step)
                     self._touch_lease(engine_id)
                     self._pump()
                 else:
-                    ch.close(f"unexpected {which or 'empty'} message after attach")
+                    ch.close(f"unexpected {which or 'empty'} message after attach", grpc.StatusCode.INVALID_ARGUMENT)
                     return
-            ch.close("stream ended")
-        except NotFound as e:
-            ch.close(str(e))
+            ch.queue.put_nowait(None)  # the worker ended its side
         except DepotError as e:
-            ch.close(str(e))
+            ch.close(str(e), status_of(e))
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
 
