@@ -59,15 +59,15 @@ class _Registration:
 
 def _degraded(client: Any, e: grpc.RpcError, what: str) -> None:
     """Decides whether an engine-path failure is a miss (logged, returned) or raised (strict)."""
-    code = e.code()  # type: ignore[attr-defined]
+    code = e.code()
     if client.strict:
         raise from_rpc_error(e) from None
-    if code is grpc.StatusCode.NOT_FOUND and client._reg is not None and "engine" in (e.details() or ""):  # type: ignore[attr-defined]
+    if code is grpc.StatusCode.NOT_FOUND and client._reg is not None and "engine" in (e.details() or ""):
         client._reg.engine_id = ""  # the daemon restarted or our lease expired: the keeper re-registers
     if code in MISSES or code is grpc.StatusCode.NOT_FOUND:
         log.debug("kvdepot %s degraded to a miss: %s", what, code.name)
     else:
-        log.error("kvdepot %s rejected (%s): %s; treating it as a miss", what, code.name, e.details())  # type: ignore[attr-defined]
+        log.error("kvdepot %s rejected (%s): %s; treating it as a miss", what, code.name, e.details())
 
 
 class DepotClient:
@@ -116,13 +116,13 @@ class DepotClient:
             log.info("kvdepot: engine registered as %s at %s", self._reg.engine_id, self.address)
             return True
         except grpc.RpcError as e:
-            if e.code() in MISSES:  # type: ignore[attr-defined]
+            if e.code() in MISSES:
                 if raise_errors and self.strict:
                     raise from_rpc_error(e) from None
                 return False
             if raise_errors:
                 raise from_rpc_error(e) from None
-            log.error("kvdepot: registration rejected: %s", e.details())  # type: ignore[attr-defined]
+            log.error("kvdepot: registration rejected: %s", e.details())
             return False
 
     def _keep(self) -> None:
@@ -140,7 +140,7 @@ class DepotClient:
                 try:
                     self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=reg.engine_id), timeout=1.0)
                 except grpc.RpcError as e:
-                    if e.code() is grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    if e.code() is grpc.StatusCode.NOT_FOUND:
                         log.warning("kvdepot: the daemon forgot engine %s; registering again", reg.engine_id)
                         reg.engine_id = ""
 
@@ -312,7 +312,7 @@ class WorkerLink:
             except grpc.RpcError as e:
                 if self._closed:
                     return
-                log.debug("kvdepot worker %d stream ended: %s", self.rank, e.code())  # type: ignore[attr-defined]
+                log.debug("kvdepot worker %d stream ended: %s", self.rank, e.code())
             finally:
                 self.attached.clear()
                 self._out.put(None)  # end the old request iterator
@@ -359,7 +359,7 @@ class AsyncDepotClient:
             self._reg.accept(await self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0)))
             return True
         except grpc.RpcError as e:
-            if e.code() in MISSES and not (raise_errors and self.strict):  # type: ignore[attr-defined]
+            if e.code() in MISSES and not (raise_errors and self.strict):
                 return False
             if raise_errors:
                 raise from_rpc_error(e) from None
@@ -380,7 +380,7 @@ class AsyncDepotClient:
                 try:
                     await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=reg.engine_id), timeout=1.0)
                 except grpc.RpcError as e:
-                    if e.code() is grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    if e.code() is grpc.StatusCode.NOT_FOUND:
                         reg.engine_id = ""
 
     async def lookup(

@@ -42,8 +42,8 @@ _BY_CODE: dict[grpc.StatusCode, type[DepotError]] = {
 
 
 def from_rpc_error(e: grpc.RpcError) -> DepotError:
-    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
-    details = e.details() if hasattr(e, "details") else str(e)  # type: ignore[attr-defined]
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = e.details() if hasattr(e, "details") else str(e)
     err = _BY_CODE.get(code, DepotError)(f"{code.name}: {details}")
     err.code = code
     return err

@@ -58,7 +58,7 @@ def tokens_to_bytes(tokens: "array.array[int] | list[int] | tuple[int, ...]") ->
 
 
 def block_hashes(
-    data: bytes | memoryview,
+    data: bytes | bytearray | memoryview,
     block_size: int,
     seed: int,
     *,

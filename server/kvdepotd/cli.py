@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -55,11 +54,7 @@ def run(cfg: config.DaemonConfig) -> int:
     try:
         import uvloop
 
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
-        runner = asyncio.run
-    try:
-        runner(Daemon(cfg).run())
+        uvloop.run(Daemon(cfg).run())
     except StartupError as e:
         logging.getLogger("kvdepotd").error("cannot start: %s", e)
         return 1

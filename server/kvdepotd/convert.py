@@ -38,7 +38,7 @@ def layout_to_pb(lay: KvLayout) -> pb.KvLayout:
 
 def style_from_pb(value: int) -> UpdateStyle:
     try:
-        return STYLE[value]
+        return STYLE[value]  # type: ignore[index]
     except KeyError:
         raise InvalidRequest(f"unknown update_style {value}") from None
 

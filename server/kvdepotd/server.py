@@ -138,9 +138,12 @@ class Daemon:
     async def run(self) -> None:
         await self.start()
         loop = asyncio.get_running_loop()
+        def on_signal(sig: signal.Signals) -> None:
+            loop.create_task(self.shutdown(sig.name))
+
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, lambda s=sig: loop.create_task(self.shutdown(signal.Signals(s).name)))
+                loop.add_signal_handler(sig, on_signal, sig)
         await self._stopped.wait()
 
     async def shutdown(self, why: str = "shutdown") -> None:

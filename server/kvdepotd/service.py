@@ -271,17 +271,17 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if old is not None:
             old.close(f"rank {key[1]} attached again on another stream", grpc.StatusCode.CANCELLED)
         self.channels[key] = ch
-        for msg in self.backlog.pop(key, ()):
-            ch.queue.put_nowait(msg)
+        for queued in self.backlog.pop(key, ()):
+            ch.queue.put_nowait(queued)
         log.info("engine %s rank %d attached", *key)
         reader = asyncio.get_running_loop().create_task(self._read_worker(it, key, ch))
         try:
             yield pb.WorkerEvent(attached=pb.WorkerEvent.Attached(rank=key[1]))
             while True:
-                msg = await ch.queue.get()
-                if msg is None:
+                event = await ch.queue.get()
+                if event is None:
                     break
-                yield msg
+                yield event
         finally:
             reader.cancel()
             if self.channels.get(key) is ch:

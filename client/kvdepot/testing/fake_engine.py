@@ -111,7 +111,7 @@ class FakeEngine:
             raise RuntimeError(f"requests still pending after {max_steps} steps")
 
     def generate(self, prompt: list[int], max_new_tokens: int = 1, **kw: str) -> FakeRequest:
-        rid = self.add_request(prompt, max_new_tokens, **kw)  # type: ignore[arg-type]
+        rid = self.add_request(prompt, max_new_tokens, **kw)
         self.run_until_done()
         return self.done[rid]
 
@@ -265,9 +265,10 @@ class FakeEngine:
         self._handle_events(done)
         completed = {e.op_id: e for e in done if isinstance(e, OpCompleted)}
         for op_id, op in loads.items():
-            r = by_rid.get(op.request_id)
-            if r is None:
+            req = by_rid.get(op.request_id)
+            if req is None:
                 continue
+            r = req
             ev = completed.get(op_id)
             failed = set(ev.failed_block_ids) if ev is not None else set(op.block_ids)
             if failed:
