@@ -119,6 +119,34 @@ class StepBatch:
         self.cache_salt.append(salt)
         self.lora_name.append(lora)
 
+    def cached_columns(
+        self,
+        request_ids: Sequence[str],
+        computed: Sequence[int],
+        scheduled: Sequence[int],
+        num_new_tokens: Sequence[int],
+        new_tokens: Sequence[int],
+        num_new_blocks: Sequence[int],
+        new_block_ids: Sequence[int],
+    ) -> None:
+        """Many cached updates at once, column by column (as vLLM's CachedRequestData is laid out):
+        no per-request Python work on the engine's path."""
+        n = len(request_ids)
+        if not (len(computed) == len(scheduled) == len(num_new_tokens) == len(num_new_blocks) == n):
+            raise ValueError("cached_columns: every per-request column needs one entry per request id")
+        self.request_ids += request_ids
+        self.is_new += [False] * n
+        self.device_matched += [0] * n
+        self.loaded += [0] * n
+        self.computed += computed
+        self.scheduled += scheduled
+        self.num_new_tokens += num_new_tokens
+        self.new_tokens += new_tokens
+        self.num_new_blocks += num_new_blocks
+        self.new_block_ids += new_block_ids
+        self.cache_salt += [""] * n
+        self.lora_name += [""] * n
+
     def __len__(self) -> int:
         return len(self.request_ids)
 

@@ -9,8 +9,8 @@ from kvdepot.layout import KvLayout
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.core.depot import Engine, StepPlan
 from kvdepotd.core.errors import InvalidRequest
-from kvdepotd.core.ops import Op, OpKind, RequestId
-from kvdepotd.core.slots import Slot, SlotUpdate, UpdateStyle
+from kvdepotd.core.ops import Op, OpKind
+from kvdepotd.core.slots import Slot, StepColumns, UpdateStyle
 
 STYLE = {
     pb.UPDATE_STYLE_UNSPECIFIED: UpdateStyle.VLLM,
@@ -60,8 +60,8 @@ def lookup_tokens(req: pb.LookupRequest) -> bytes:
     return u32_bytes(req.tokens)
 
 
-def step_updates(req: pb.StepRequest) -> list[SlotUpdate]:
-    """Cuts the columnar arrays into one SlotUpdate per request, checking that they line up."""
+def step_columns(req: pb.StepRequest) -> StepColumns:
+    """The request's columns as the core takes them, after checking that they line up."""
     n = len(req.request_ids)
     for name in ("is_new", "device_matched_tokens", "loaded_tokens", "computed_tokens", "scheduled_tokens", "num_new_tokens", "num_new_block_ids"):
         got = len(getattr(req, name))
@@ -77,24 +77,20 @@ def step_updates(req: pb.StepRequest) -> list[SlotUpdate]:
         raise InvalidRequest(f"num_new_tokens add up to {sum(ntok)} but new_tokens has {len(req.new_tokens)}")
     if sum(nblk) != len(req.new_block_ids):
         raise InvalidRequest(f"num_new_block_ids add up to {sum(nblk)} but new_block_ids has {len(req.new_block_ids)}")
-    tokens = memoryview(u32_bytes(req.new_tokens))
-    blocks = tuple(req.new_block_ids)
-    salts = list(req.cache_salt) or [""] * n
-    loras = list(req.lora_name) or [""] * n
-    out: list[SlotUpdate] = []
-    t = b = 0
-    for i, (rid, new, L, E, C, S) in enumerate(
-        zip(req.request_ids, req.is_new, req.device_matched_tokens, req.loaded_tokens, req.computed_tokens, req.scheduled_tokens)
-    ):
-        nt, nb = ntok[i], nblk[i]
-        out.append(
-            SlotUpdate(
-                RequestId(rid), new, C, S, bytes(tokens[4 * t : 4 * (t + nt)]), blocks[b : b + nb], L, E, salts[i], loras[i]
-            )
-        )
-        t += nt
-        b += nb
-    return out
+    return StepColumns(
+        list(req.request_ids),  # type: ignore[arg-type]
+        list(req.is_new),
+        list(req.device_matched_tokens),
+        list(req.loaded_tokens),
+        list(req.computed_tokens),
+        list(req.scheduled_tokens),
+        ntok,
+        u32_bytes(req.new_tokens),
+        nblk,
+        list(req.new_block_ids),
+        list(req.cache_salt),
+        list(req.lora_name),
+    )
 
 
 def op_to_pb(op: Op) -> pb.Op:

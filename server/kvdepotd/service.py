@@ -245,7 +245,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         plan = self.depot.step(
             engine_id,
             request.step,
-            convert.step_updates(request),
+            convert.step_columns(request),
             [RequestId(r) for r in request.finished],
             [RequestId(r) for r in request.preempted],
             self.now_ms(),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepotd.core.errors import FailedPrecondition
+from kvdepotd.core.errors import FailedPrecondition, NotFound
 from kvdepotd.core.ops import OpKind
 from kvdepotd.core.slots import BlockState, UpdateStyle
 from tests.unit.sim import BS, Sim, blocks_of, engine_blocks_of, prompt
@@ -314,3 +314,24 @@ def test_trtllm_async_load_reports_l_plus_e() -> None:
     assert sim.lookup("r", toks, L=32) == 64
     plan = sim.step(sim.new("r", toks, L=32, E=64, S=4, C=96, table=D[:7]))
     assert blocks_of(plan, LOAD) == [2, 3, 4, 5] and blocks_of(plan, STORE) == []
+
+
+def test_rejected_step_is_undone_entirely() -> None:
+    """Good rows before a bad one are rolled back: tokens, hashes, block table, counts."""
+    sim = Sim()
+    sim.step(sim.new("a", prompt(15), S=15, table=D[:1]), sim.new("b", prompt(30, start=100), S=30, table=D[1:3]))
+    before = {r: (bytes(s.tokens), list(s.hashes), list(s.states), list(s.block_table), s.computed, s.last_step)
+              for r, s in sim.depot.engines[sim.engine].slots.items()}
+    ops_before = len(sim.depot.ops.ops)
+    with pytest.raises(NotFound):
+        sim.step(
+            sim.cached("a", C=15, S=1, tokens=[7], blocks=[D[5]]),  # completes block 0: hashed
+            sim.cached("b", C=30, S=1, tokens=[8]),
+            sim.cached("ghost", C=0, S=1, tokens=[9]),
+        )
+    after = {r: (bytes(s.tokens), list(s.hashes), list(s.states), list(s.block_table), s.computed, s.last_step)
+             for r, s in sim.depot.engines[sim.engine].slots.items()}
+    assert after == before and len(sim.depot.ops.ops) == ops_before
+    sim.step_no -= 1
+    plan = sim.step(sim.cached("a", C=15, S=1, tokens=[7], blocks=[D[5]]))
+    assert blocks_of(plan, STORE) == [0]

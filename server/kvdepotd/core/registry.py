@@ -2,6 +2,7 @@
 
 Primitives (all synchronous; the caller is the Depot, on one thread):
     lookup(hashes) -> int              leading hashes that are RESIDENT (a prefix match stops at the first miss)
+    match_and_pin(hashes) -> int       lookup() that also pins and touches the matched prefix
     state_of(hash) -> BlockEntry|None  resident or being stored ("in flight")
     prepare_store(hash, parent) -> SlotId | None
                                        allocates a slot (evicting if it must) and records the block
@@ -170,7 +171,26 @@ class BlockRegistry:
         e.pins -= 1
         if e.pins == 0:
             self.num_pinned -= 1
+            e.last_use = self._tick()  # a pin is a use: LRU counts from its release
             self._policy.offer(e)
+
+    def match_and_pin(self, hashes: list[BlockHash]) -> int:
+        """lookup() that pins the matched prefix in the same pass (a long prompt's lookup is on the
+        engine's critical path). The use is recorded when the pin is released (unpin)."""
+        get = self.entries.get
+        resident = BlockStatus.RESIDENT
+        n = newly_pinned = 0
+        for h in hashes:
+            e = get(h)
+            if e is None or e.status is not resident:
+                break
+            if not e.pins:
+                newly_pinned += 1
+            e.pins += 1
+            e.hits += 1
+            n += 1
+        self.num_pinned += newly_pinned
+        return n
 
     def touch(self, hashes: list[BlockHash]) -> None:
         for h in hashes:
@@ -178,7 +198,8 @@ class BlockRegistry:
             if e is not None:
                 e.last_use = self._tick()
                 e.hits += 1
-                self._policy.offer(e)
+                if e.pins == 0:
+                    self._policy.offer(e)
         if len(self._policy) > 4 * len(self.entries) + 1024:
             self._policy.compact(self.entries)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvdepot.hashing import BlockHash, ChainHasher
+from kvdepot.hashing import BlockHash, block_hashes
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest, NotFound
 from kvdepotd.core.ops import OpId, RequestId
 
@@ -66,9 +66,63 @@ class SlotUpdate:
 
 
 @dataclass(slots=True)
+class StepColumns:
+    """A step's slot updates as parallel columns (the wire's shape): row i of every list belongs to
+    request_ids[i]; tokens (LE u32) and block ids are concatenated and cut by the counts."""
+
+    request_ids: list[RequestId]
+    is_new: list[bool]
+    device_matched: list[int]
+    loaded: list[int]
+    computed: list[int]
+    scheduled: list[int]
+    num_new_tokens: list[int]
+    tokens: bytes
+    num_new_blocks: list[int]
+    block_ids: list[int]
+    cache_salt: list[str]
+    lora_name: list[str]
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def row(self, i: int, token_off: int, block_off: int) -> SlotUpdate:
+        nt, nb = self.num_new_tokens[i], self.num_new_blocks[i]
+        return SlotUpdate(
+            self.request_ids[i],
+            self.is_new[i],
+            self.computed[i],
+            self.scheduled[i],
+            self.tokens[4 * token_off : 4 * (token_off + nt)],
+            tuple(self.block_ids[block_off : block_off + nb]),
+            self.device_matched[i],
+            self.loaded[i],
+            self.cache_salt[i] if self.cache_salt else "",
+            self.lora_name[i] if self.lora_name else "",
+        )
+
+    @staticmethod
+    def of(updates: list[SlotUpdate]) -> StepColumns:
+        return StepColumns(
+            [u.request_id for u in updates],
+            [u.is_new for u in updates],
+            [u.device_matched_tokens for u in updates],
+            [u.loaded_tokens for u in updates],
+            [u.computed_tokens for u in updates],
+            [u.scheduled_tokens for u in updates],
+            [u.num_new_tokens for u in updates],
+            b"".join(u.new_tokens for u in updates),
+            [len(u.new_block_ids) for u in updates],
+            [b for u in updates for b in u.new_block_ids],
+            [u.cache_salt for u in updates],
+            [u.lora_name for u in updates],
+        )
+
+
+@dataclass(slots=True)
 class Slot:
     request_id: RequestId
-    hasher: ChainHasher
+    seed: int  # hash seed: salt, namespace and model folded
     block_size: int
     phase: Phase = Phase.ACTIVE
     device_matched: int = 0  # L
@@ -80,21 +134,24 @@ class Slot:
     ops: set[OpId] = field(default_factory=set)  # in flight
     last_step: int = -1
     stored_blocks: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self.hasher.num_tokens
-
-    @property
-    def hashes(self) -> list[BlockHash]:
-        return self.hasher.hashes
+    num_tokens: int = 0
+    tokens: bytearray = field(default_factory=bytearray)  # LE u32, every token the engine sent
+    hashes: list[BlockHash] = field(default_factory=list)  # one per full block (the hash chain)
+    next_full: int = 0  # token bytes at which the next block is full (0: set on first append)
 
     def append_tokens(self, data: bytes) -> None:
-        if data:
-            self.hasher.extend(data)
-            missing = len(self.hasher.hashes) - len(self.states)
-            if missing > 0:
-                self.states += [BlockState.PENDING] * missing
+        """Appends tokens; a block that becomes full gets its hash and a PENDING state. This runs
+        for every request of every step, so the common case is one bytearray append."""
+        toks = self.tokens
+        toks += data
+        self.num_tokens = len(toks) >> 2
+        if len(toks) >= self.next_full:
+            step = self.block_size * 4
+            prev = self.hashes[-1] if self.hashes else None
+            new = block_hashes(toks, self.block_size, self.seed, start_block=len(self.hashes), prev=prev)
+            self.hashes += new
+            self.states += [BlockState.PENDING] * len(new)
+            self.next_full = (len(self.hashes) + 1) * step
 
     def start_device_state(self, matched: int, loaded: int, block_table: list[int]) -> range:
         """A new (or resumed) request: sets L, E and the block table; returns the load targets.

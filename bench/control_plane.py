@@ -1,0 +1,138 @@
+"""Control-plane benchmark against the real daemon process over loopback.
+
+Prints one JSON line:
+  step256_p50_ms / step256_p99_ms   a Step carrying 256 decode updates (client build + RPC + daemon + parse)
+  lookup128k_ms                      Lookup of a 131072-token prompt the host tier holds (full hit, worst case)
+  lookup128k_miss_ms                 the same prompt when nothing matches
+Targets (DESIGN.md): p50 <= 1 ms, p99 <= 3 ms, lookup <= 10 ms.
+
+    python bench/control_plane.py [--steps 2000] [--address HOST:PORT]   (no --address: starts a daemon)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from kvdepot import DepotClient, KvLayout, StepBatch
+from kvdepot.testing import DaemonProcess
+
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=8, head_size=128, dtype="float16", block_size=16)
+BATCH = 256
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
+    bs = LAYOUT.block_size
+    w = c.worker(0)
+    w.attached.wait(10)
+    rng = random.Random(0)
+    reqs = []
+    admit = StepBatch()
+    next_block = 0
+    for i in range(BATCH):
+        n = rng.randrange(64, 200)  # varied lengths so blocks complete on different steps
+        toks = [rng.randrange(50_000) for _ in range(n)]
+        nb = -(-(n + 1) // bs)
+        table = list(range(next_block, next_block + nb))
+        next_block += nb
+        admit.new(f"r{i}", toks, table, computed=0, scheduled=n)
+        reqs.append({"rid": f"r{i}", "n": n, "blocks": nb})
+    w.forward_done(c.step(admit).step)
+    times: list[float] = []
+    rids = [r["rid"] for r in reqs]
+    ones = [1] * BATCH
+    for s in range(steps + 50):
+        # What the engine's scheduler hands the connector (vLLM's CachedRequestData is columnar).
+        computed, nblk, blocks = [], [], []
+        for r in reqs:
+            n = r["n"]
+            computed.append(n)
+            if n + 1 > r["blocks"] * bs:
+                blocks.append(next_block)
+                next_block += 1
+                r["blocks"] += 1
+                nblk.append(1)
+            else:
+                nblk.append(0)
+            r["n"] = n + 1
+        sampled = [rng.randrange(50_000) for _ in range(BATCH)]
+        t0 = time.perf_counter()  # from here on: the connector's and the daemon's cost
+        b = StepBatch()
+        b.cached_columns(rids, computed, ones, ones, sampled, nblk, blocks)
+        res = c.step(b)
+        dt = time.perf_counter() - t0
+        assert not res.degraded, "step degraded: the daemon did not answer in time"
+        w.forward_done(res.step)
+        if s >= 50:  # warm-up
+            times.append(dt * 1000)
+        w.poll()
+    return {
+        "step256_p50_ms": round(statistics.median(times), 3),
+        "step256_p99_ms": round(pct(times, 0.99), 3),
+        "step256_mean_ms": round(statistics.fmean(times), 3),
+        "steps": len(times),
+    }
+
+
+def bench_lookup(c: DepotClient) -> dict[str, float]:
+    rng = random.Random(1)
+    n = 131072
+    toks = [rng.randrange(50_000) for _ in range(n)]
+    w = c.worker(0)
+    w.attached.wait(10)
+    b = StepBatch()
+    b.new("big", toks, list(range(n // LAYOUT.block_size + 1)), computed=0, scheduled=n)
+    res = c.step(b)
+    w.forward_done(res.step)
+    w.wait(lambda evs: len(evs) >= 1, 10)
+    hit, miss = [], []
+    other = [t + 1 for t in toks]
+    for i in range(21):
+        t0 = time.perf_counter()
+        r = c.lookup(f"q{i}", toks)
+        hit.append((time.perf_counter() - t0) * 1000)
+        assert r.matched_tokens == n - LAYOUT.block_size, r
+        t0 = time.perf_counter()
+        c.lookup(f"m{i}", other)
+        miss.append((time.perf_counter() - t0) * 1000)
+    return {
+        "lookup128k_ms": round(statistics.median(hit[1:]), 3),
+        "lookup128k_miss_ms": round(statistics.median(miss[1:]), 3),
+        "lookup128k_matched_tokens": n - LAYOUT.block_size,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--address", default="")
+    args = ap.parse_args()
+    daemon = None if args.address else DaemonProcess(args=["--log-level", "warning"]).start()
+    address = args.address or daemon.tcp  # type: ignore[union-attr]
+    try:
+        out: dict[str, object] = {"bench": "control_plane", "address": "loopback tcp"}
+        with DepotClient(address, strict=True, deadline_s=5.0) as c:
+            c.register_engine("bench-model", LAYOUT, name="bench-steps")
+            out.update(bench_steps(c, args.steps))
+        with DepotClient(address, strict=True, deadline_s=5.0) as c:
+            c.register_engine("bench-model", LAYOUT, name="bench-lookup")
+            out.update(bench_lookup(c))
+        out["targets_met"] = out["step256_p50_ms"] <= 1.0 and out["step256_p99_ms"] <= 3.0 and out["lookup128k_ms"] <= 10.0  # type: ignore[operator]
+        print(json.dumps(out))
+    finally:
+        if daemon is not None:
+            daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
