@@ -300,14 +300,13 @@ class WorkerLink:
             try:
                 self._call = self.client._stub.WorkerStream(self._requests(engine_id))
                 for ev in self._call:
-                    if ev.WhichOneof("event") == "attached":
+                    if ev.HasField("attached"):
                         self.attached.set()
                         backoff = 0.05
-                        continue
-                    e = m.worker_event(ev)
-                    if e is not None:
+                    batch = m.worker_events(ev)
+                    if batch:
                         with self._cond:
-                            self._events.append(e)
+                            self._events += batch
                             self._cond.notify_all()
             except grpc.RpcError as e:
                 if self._closed:
@@ -418,8 +417,7 @@ class AsyncDepotClient:
         call = self._stub.WorkerStream(requests())
         try:
             async for ev in call:
-                e = m.worker_event(ev)
-                if e is not None:
+                for e in m.worker_events(ev):
                     yield e
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None

@@ -221,11 +221,11 @@ def step_result(r: pb.StepResponse) -> StepResult:
     return StepResult(r.step, ops, tuple(r.delay_free))
 
 
-def worker_event(ev: pb.WorkerEvent) -> WorkerEvent | None:
-    which = ev.WhichOneof("event")
-    if which == "op_completed":
-        o = ev.op_completed
-        return OpCompleted(o.op_id, _KIND[o.kind], o.request_id, o.success, tuple(o.failed_block_ids), o.message)  # type: ignore[arg-type]
-    if which == "request_released":
-        return RequestReleased(ev.request_released.request_id)
-    return None
+def worker_events(ev: pb.WorkerEvent) -> list[WorkerEvent]:
+    """A batch from the stream, completions first (a release follows its request's last op)."""
+    out: list[WorkerEvent] = [
+        OpCompleted(o.op_id, _KIND[o.kind], o.request_id, o.success, tuple(o.failed_block_ids), o.message)  # type: ignore[arg-type]
+        for o in ev.completed
+    ]
+    out += [RequestReleased(r) for r in ev.released]
+    return out

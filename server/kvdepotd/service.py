@@ -22,7 +22,7 @@ import grpc
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
-from kvdepotd.core.depot import Depot, OpCompleted, RequestReleased
+from kvdepotd.core.depot import Depot, OpCompleted
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.errors import status_of
@@ -141,19 +141,28 @@ class DepotService(pb_grpc.BlockManagerServicer):
         while parts:
             self.copy.submit(parts)
             parts = self.depot.take_ready()
-        for ev in self.depot.take_events():
+        events = self.depot.take_events()
+        if not events:
+            return
+        batches: dict[EngineId, pb.WorkerEvent] = {}
+        for ev in events:
+            msg = batches.get(ev.engine_id)
+            if msg is None:
+                msg = batches[ev.engine_id] = pb.WorkerEvent()
             if isinstance(ev, OpCompleted):
-                msg = convert.op_completed_pb(ev.op)
+                msg.completed.append(convert.op_completed_pb(ev.op))
             else:
-                msg = pb.WorkerEvent(request_released=pb.WorkerEvent.RequestReleased(request_id=ev.request_id))
-            self._route(ev, msg)
+                msg.released.append(ev.request_id)
+        for engine_id, msg in batches.items():
+            self._route(engine_id, msg)
 
-    def _route(self, ev: OpCompleted | RequestReleased, msg: pb.WorkerEvent) -> None:
-        eng = self.depot.engines.get(ev.engine_id)
+    def _route(self, engine_id: EngineId, msg: pb.WorkerEvent) -> None:
+        """Every rank of the engine gets the batch (each must know of every op's end)."""
+        eng = self.depot.engines.get(engine_id)
         if eng is None:
             return
         for rank in range(eng.layout.world_size):
-            key = (ev.engine_id, rank)
+            key = (engine_id, rank)
             ch = self.channels.get(key)
             if ch is not None:
                 ch.queue.put_nowait(msg)

@@ -227,7 +227,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, attach: _Optional[_Union[WorkerMessage.Attach, _Mapping]] = ..., forward_done: _Optional[_Union[WorkerMessage.ForwardDone, _Mapping]] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("attached", "op_completed", "request_released")
+    __slots__ = ("attached", "completed", "released")
     class Attached(_message.Message):
         __slots__ = ("rank",)
         RANK_FIELD_NUMBER: _ClassVar[int]
@@ -248,18 +248,13 @@ class WorkerEvent(_message.Message):
         failed_block_ids: _containers.RepeatedScalarFieldContainer[int]
         message: str
         def __init__(self, op_id: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., request_id: _Optional[str] = ..., success: _Optional[bool] = ..., failed_block_ids: _Optional[_Iterable[int]] = ..., message: _Optional[str] = ...) -> None: ...
-    class RequestReleased(_message.Message):
-        __slots__ = ("request_id",)
-        REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-        request_id: str
-        def __init__(self, request_id: _Optional[str] = ...) -> None: ...
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
-    OP_COMPLETED_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
     attached: WorkerEvent.Attached
-    op_completed: WorkerEvent.OpCompleted
-    request_released: WorkerEvent.RequestReleased
-    def __init__(self, attached: _Optional[_Union[WorkerEvent.Attached, _Mapping]] = ..., op_completed: _Optional[_Union[WorkerEvent.OpCompleted, _Mapping]] = ..., request_released: _Optional[_Union[WorkerEvent.RequestReleased, _Mapping]] = ...) -> None: ...
+    completed: _containers.RepeatedCompositeFieldContainer[WorkerEvent.OpCompleted]
+    released: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, attached: _Optional[_Union[WorkerEvent.Attached, _Mapping]] = ..., completed: _Optional[_Iterable[_Union[WorkerEvent.OpCompleted, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

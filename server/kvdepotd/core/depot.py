@@ -119,8 +119,6 @@ class Depot:
         self.counters: Counter[str] = Counter()
         self._ready: list[tuple[Op, int]] = []
         self._events: list[OpCompleted | RequestReleased] = []
-        self._op_domain: dict[OpId, Domain] = {}
-        self._op_epoch: dict[OpId, int] = {}
         self._slot_epoch: dict[tuple[EngineId, RequestId], int] = {}
 
     # -- engines -------------------------------------------------------------------------------
@@ -462,12 +460,12 @@ class Depot:
             step=step,
             deadline_ms=now_ms + self.config.op_timeout_ms,
             world_size=eng.layout.world_size,
+            registry=eng.domain.registry,
+            epoch=self._slot_epoch.get((eng.engine_id, slot.request_id), 0),
         )
 
     def _add_op(self, eng: Engine, slot: Slot, op: Op, plan: StepPlan) -> None:
         slot.ops.add(op.op_id)
-        self._op_domain[op.op_id] = eng.domain
-        self._op_epoch[op.op_id] = self._slot_epoch.get((eng.engine_id, slot.request_id), 0)
         plan.ops.append(op)
         self._ready += self.ops.add(op)
 
@@ -522,9 +520,8 @@ class Depot:
             self._op_ended(op)
 
     def _op_ended(self, op: Op) -> None:
-        domain = self._op_domain.pop(op.op_id)
-        epoch = self._op_epoch.pop(op.op_id)
-        reg = domain.registry
+        epoch = op.epoch
+        reg = op.registry
         eng = self.engines.get(op.engine_id)
         slot = eng.slots.get(op.request_id) if eng is not None else None
         current = slot is not None and self._slot_epoch.get((op.engine_id, op.request_id), 0) == epoch

@@ -19,6 +19,7 @@ from typing import NewType
 
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.pool import SlotId
+from kvdepotd.core.registry import BlockRegistry
 
 OpId = NewType("OpId", int)
 EngineId = NewType("EngineId", str)
@@ -43,6 +44,8 @@ class Op:
     step: int
     deadline_ms: int
     world_size: int
+    registry: BlockRegistry  # the tier registry its blocks live in (outlives the engine)
+    epoch: int = 0  # the slot's device-state generation when planned (see Depot._bump_epoch)
     parts_left: set[int] = field(default_factory=set)  # ranks not yet reported
     started: set[int] = field(default_factory=set)  # ranks handed to the copy engine
     failed: set[int] = field(default_factory=set)  # block indices that failed on some rank
