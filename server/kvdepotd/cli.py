@@ -22,7 +22,25 @@ def parser() -> argparse.ArgumentParser:
     config.add_arguments(serve)
     check = sub.add_parser("check-config", help="print the effective configuration and exit")
     config.add_arguments(check)
+    health = sub.add_parser("health", help="exit 0 if the daemon at ADDR answers SERVING (gRPC health check)")
+    health.add_argument("address", nargs="?", default=config.DEFAULT_LISTEN, help=f"HOST:PORT or unix:PATH (default {config.DEFAULT_LISTEN})")
+    health.add_argument("--timeout-s", type=float, default=3.0)
     return p
+
+
+def health_check(address: str, timeout_s: float) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+        except grpc.RpcError as e:
+            print(f"kvdepotd at {address}: {e.code().name}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"kvdepotd at {address}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["serve", *argv]
     args = parser().parse_args(argv)
+    if args.command == "health":
+        return health_check(args.address, args.timeout_s)
     try:
         cfg = config.load(args)
     except config.ConfigError as e:

@@ -103,7 +103,7 @@ def call(ch: grpc.Channel, method: Any, payload: bytes) -> None:
         assert e.code() in ALLOWED, f"{method.name}: {e.code()} {e.details()}"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_arbitrary_messages_at_every_rpc(target: tuple[DaemonProcess, DepotClient], data: st.DataObject) -> None:
     d, c = target
@@ -118,7 +118,7 @@ def test_arbitrary_messages_at_every_rpc(target: tuple[DaemonProcess, DepotClien
     assert d.alive()
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(UNARY), raw=st.binary(max_size=200))
 def test_raw_bytes_at_every_rpc(target: tuple[DaemonProcess, DepotClient], method: Any, raw: bytes) -> None:
     d, _ = target
@@ -127,7 +127,7 @@ def test_raw_bytes_at_every_rpc(target: tuple[DaemonProcess, DepotClient], metho
     assert d.alive()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(msgs=st.lists(message(pb.WorkerMessage.DESCRIPTOR), max_size=5))
 def test_arbitrary_worker_streams(target: tuple[DaemonProcess, DepotClient], msgs: list[Any]) -> None:
     d, c = target

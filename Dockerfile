@@ -1,0 +1,31 @@
+# kvdepotd as a sidecar container. Build: docker build -t kvdepotd .
+# torch comes from PyPI by default (a large CUDA-capable wheel); for a CPU-only image pass your
+# PyTorch CPU wheel index: --build-arg TORCH_INDEX_URL=<index>.
+FROM python:3.11-slim
+
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=""
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+
+WORKDIR /opt/kvdepot
+COPY pyproject.toml README.md ./
+COPY client ./client
+COPY server ./server
+COPY proto ./proto
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; \
+    else pip install "$TORCH_SPEC"; fi \
+ && pip install . \
+ && useradd --system --uid 10001 kvdepot \
+ && mkdir -p /run/kvdepot && chown kvdepot /run/kvdepot
+
+USER kvdepot
+EXPOSE 50061 9464
+# The same defaults as outside a container, except that it listens on all interfaces and on a
+# Unix socket in /run/kvdepot (share that folder with engine containers).
+ENV KVDEPOT_LISTEN=0.0.0.0:50061,unix:/run/kvdepot/kvdepotd.sock \
+    KVDEPOT_METRICS_LISTEN=0.0.0.0:9464
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+  CMD ["kvdepotd", "health", "127.0.0.1:50061"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["kvdepotd"]
+CMD ["serve"]

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvdepotd import cli, config
+
+
+def load(argv: list[str], env: dict[str, str] | None = None) -> config.DaemonConfig:
+    args = cli.parser().parse_args(["serve", *argv])
+    return config.load(args, env or {})
+
+
+def test_defaults_need_no_options() -> None:
+    cfg = load([])
+    assert cfg.listen == (config.DEFAULT_LISTEN,) and cfg.host_gib == 4.0
+
+
+def test_precedence_flags_over_env_over_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "kvdepotd.toml"
+    f.write_text('host_gib = 1.5\nlease_ms = 1000\nlisten = ["unix:/tmp/a.sock"]\nop-timeout-ms = 7\n')
+    cfg = load(["--config", str(f)])
+    assert (cfg.host_gib, cfg.lease_ms, cfg.listen, cfg.op_timeout_ms) == (1.5, 1000, ("unix:/tmp/a.sock",), 7)
+    cfg = load(["--config", str(f)], {"KVDEPOT_HOST_GIB": "2", "KVDEPOT_LISTEN": "127.0.0.1:1,unix:/tmp/b"})
+    assert cfg.host_gib == 2.0 and cfg.listen == ("127.0.0.1:1", "unix:/tmp/b") and cfg.lease_ms == 1000
+    cfg = load(["--config", str(f), "--host-gib", "3", "--listen", "127.0.0.1:2", "--listen", "127.0.0.1:3"], {"KVDEPOT_HOST_GIB": "2"})
+    assert cfg.host_gib == 3.0 and cfg.listen == ("127.0.0.1:2", "127.0.0.1:3")
+    cfg = load([], {"KVDEPOT_CONFIG": str(f)})
+    assert cfg.lease_ms == 1000
+
+
+@pytest.mark.parametrize(
+    "argv, env, words",
+    [
+        (["--host-gib", "-1"], {}, "--host-gib"),
+        (["--listen", "nowhere"], {}, "HOST:PORT"),
+        (["--log-level", "loud"], {}, "one of"),
+        ([], {"KVDEPOT_LEASE_MS": "soon"}, "KVDEPOT_LEASE_MS"),
+        (["--eviction-policy", "fifo"], {}, "leaf-lru"),
+    ],
+)
+def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], words: str) -> None:
+    with pytest.raises(config.ConfigError, match=words.replace("-", "\\-")):
+        load(argv, env)
+
+
+def test_unknown_file_key_lists_known_ones(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    f = tmp_path / "c.toml"
+    f.write_text("hots_gib = 1\n")
+    with pytest.raises(config.ConfigError, match="unknown option hots_gib.*known options: .*host_gib"):
+        load(["--config", str(f)])
+
+
+def test_other_kvdepot_env_vars_are_ignored() -> None:
+    assert load([], {"KVDEPOT_ADDRESS": "x"}).listen == (config.DEFAULT_LISTEN,)
+
+
+def test_every_option_has_help() -> None:
+    p = argparse.ArgumentParser()
+    config.add_arguments(p)
+    text = p.format_help()
+    for name in config.HELP:
+        assert "--" + name.replace("_", "-") in text
