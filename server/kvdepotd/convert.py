@@ -79,7 +79,7 @@ def step_columns(req: pb.StepRequest) -> StepColumns:
         raise InvalidRequest(f"num_new_block_ids add up to {sum(nblk)} but new_block_ids has {len(req.new_block_ids)}")
     # list() copies in C once; the core then iterates plain lists (faster than upb containers).
     return StepColumns(
-        list(req.request_ids),  # type: ignore[arg-type]
+        list(req.request_ids),
         list(req.is_new),
         list(req.device_matched_tokens),
         list(req.loaded_tokens),
