@@ -258,13 +258,14 @@ class Depot:
         self._check_columns(cols, finished, preempted)
         slow: list[SlotUpdate] = []
         touched: list[Slot] = []
-        undo: list[tuple[Slot, int, int, int, int, int, int]] = []
+        undo: list[tuple[Slot, int, int, int, int]] = []
         try:
             self._fast_rows(eng, cols, step, slow, touched, undo)
         except DepotError:
-            for slot, ntok, nhash, ntable, computed, last_step, next_full in reversed(undo):
-                del slot.tokens[ntok:], slot.hashes[nhash:], slot.states[nhash:], slot.block_table[ntable:]
-                slot.num_tokens, slot.computed, slot.last_step, slot.next_full = ntok >> 2, computed, last_step, next_full
+            for slot, ntok, ntable, computed, last_step in reversed(undo):
+                slot.truncate(ntok >> 2)
+                del slot.block_table[ntable:]
+                slot.computed, slot.last_step = computed, last_step
             raise
         plan = StepPlan(step)
         for rid in preempted:
@@ -306,42 +307,46 @@ class Depot:
         step: int,
         slow: list[SlotUpdate],
         touched: list[Slot],
-        undo: list[tuple[Slot, int, int, int, int, int, int]],
+        undo: list[tuple[Slot, int, int, int, int]],
     ) -> None:
         """One pass over the rows. A running request's next decode token or prefill chunk (the
         bulk of every step) is checked and applied inline, with an undo record; any other row is
         checked here and collected for _apply. A bad row raises and the caller undoes the pass,
         so a rejected step changes nothing. A 256-request decode step must cost well under 1 ms."""
-        slots, bs, max_tokens, active, style = eng.slots, eng.layout.block_size, self.config.max_tokens, Phase.ACTIVE, eng.style
+        get, bs, max_tokens, active, style = eng.slots.get, eng.layout.block_size, self.config.max_tokens, Phase.ACTIVE, eng.style
         tokens, block_ids = cols.tokens, cols.block_ids
-        t = b = 0
+        keep, mark = undo.append, touched.append
+        t = b = 0  # offsets into the concatenated tokens (bytes) and block ids
         for i, (rid, new, L, E, C, S, nt, nb) in enumerate(
             zip(cols.request_ids, cols.is_new, cols.device_matched, cols.loaded, cols.computed, cols.scheduled, cols.num_new_tokens, cols.num_new_blocks)
         ):
-            slot = slots.get(rid)
-            if new or slot is None or L or E or slot.phase is not active or C < slot.computed or not 0 < len(rid) <= MAX_ID_LEN:
+            slot = get(rid)
+            if new or slot is None or L or E or slot.phase is not active or C < slot.computed:
                 if len(rid) > MAX_ID_LEN:
                     raise InvalidRequest(f"request id longer than {MAX_ID_LEN} characters")
-                u = normalize(cols.row(i, t, b), style)
+                u = normalize(cols.row(i, t // 4, b), style)
                 check_update(u, slot, bs, max_tokens)
                 slow.append(u)
             else:
-                total = slot.num_tokens + nt
+                toks, table = slot.tokens, slot.block_table
+                ntok, ntable = len(toks), len(table)
+                total = (ntok >> 2) + nt
                 end = C + S
-                table = slot.block_table
-                if C > total or total > max_tokens or (len(table) + nb) * bs < (end if end < total else total):
-                    check_update(cols.row(i, t, b), slot, bs, max_tokens)  # raises, saying what is wrong
+                if C > total or total > max_tokens or (ntable + nb) * bs < (end if end < total else total):
+                    check_update(cols.row(i, t // 4, b), slot, bs, max_tokens)  # raises, saying what is wrong
                     raise AssertionError("fast-path check and check_update disagree")
-                undo.append((slot, len(slot.tokens), len(slot.hashes), len(table), slot.computed, slot.last_step, slot.next_full))
+                keep((slot, ntok, ntable, slot.computed, slot.last_step))
                 if nt:
-                    slot.append_tokens(tokens[4 * t : 4 * (t + nt)])
+                    toks += tokens[t : t + 4 * nt]
+                    if len(toks) >= slot.next_full:
+                        slot.hash_full_blocks()
                 if nb:
                     table += block_ids[b : b + nb]
                 slot.computed = end
                 slot.last_step = step
                 if end >= (slot.scan_from + 1) * bs:  # a block may have completed
-                    touched.append(slot)
-            t += nt
+                    mark(slot)
+            t += 4 * nt
             b += nb
 
     def _apply(self, eng: Engine, u: SlotUpdate, step: int, now_ms: int, plan: StepPlan) -> None:

@@ -134,24 +134,34 @@ class Slot:
     ops: set[OpId] = field(default_factory=set)  # in flight
     last_step: int = -1
     stored_blocks: int = 0
-    num_tokens: int = 0
     tokens: bytearray = field(default_factory=bytearray)  # LE u32, every token the engine sent
     hashes: list[BlockHash] = field(default_factory=list)  # one per full block (the hash chain)
     next_full: int = 0  # token bytes at which the next block is full (0: set on first append)
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) >> 2
+
     def append_tokens(self, data: bytes) -> None:
-        """Appends tokens; a block that becomes full gets its hash and a PENDING state. This runs
-        for every request of every step, so the common case is one bytearray append."""
-        toks = self.tokens
-        toks += data
-        self.num_tokens = len(toks) >> 2
-        if len(toks) >= self.next_full:
-            step = self.block_size * 4
-            prev = self.hashes[-1] if self.hashes else None
-            new = block_hashes(toks, self.block_size, self.seed, start_block=len(self.hashes), prev=prev)
-            self.hashes += new
-            self.states += [BlockState.PENDING] * len(new)
-            self.next_full = (len(self.hashes) + 1) * step
+        """Appends tokens; a block that becomes full gets its hash and a PENDING state. (The Step
+        fast path inlines this: one bytearray append, then hash_full_blocks when one filled up.)"""
+        self.tokens += data
+        if len(self.tokens) >= self.next_full:
+            self.hash_full_blocks()
+
+    def hash_full_blocks(self) -> None:
+        prev = self.hashes[-1] if self.hashes else None
+        new = block_hashes(self.tokens, self.block_size, self.seed, start_block=len(self.hashes), prev=prev)
+        self.hashes += new
+        self.states += [BlockState.PENDING] * len(new)
+        self.next_full = (len(self.hashes) + 1) * self.block_size * 4
+
+    def truncate(self, num_tokens: int) -> None:
+        """Undoes appends back to `num_tokens` (a rejected step)."""
+        del self.tokens[num_tokens * 4 :]
+        nhash = num_tokens // self.block_size
+        del self.hashes[nhash:], self.states[nhash:]
+        self.next_full = (nhash + 1) * self.block_size * 4
 
     def start_device_state(self, matched: int, loaded: int, block_table: list[int]) -> range:
         """A new (or resumed) request: sets L, E and the block table; returns the load targets.
