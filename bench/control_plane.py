@@ -3,7 +3,8 @@
 Prints one JSON line:
   step256_p50_ms / step256_p99_ms   a Step carrying 256 decode updates (client build + RPC + daemon + parse)
   lookup128k_ms                      Lookup of a 131072-token prompt the host tier holds (full hit, worst case)
-  lookup128k_miss_ms                 the same prompt when nothing matches
+  lookup128k_miss_ms                 the same prompt when nothing matches (encoding + transport of 512 KiB)
+  empty_step_p50_ms                  a Step carrying nothing: the gRPC round-trip floor of this machine
 Targets (DESIGN.md): p50 <= 1 ms, p99 <= 3 ms, lookup <= 10 ms.
 
     python bench/control_plane.py [--steps 2000] [--address HOST:PORT]   (no --address: starts a daemon)
@@ -32,36 +33,39 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def worker_main(address: str, engine_id: str, steps: mp.Queue) -> None:
-    """The engine's worker process: reports each step's forward done, drains completions."""
+def worker_main(address: str, engine_id: str, steps: mp.Queue, acks: mp.Queue) -> None:
+    """The engine's worker process: reports each step's forward done and waits (up to 5 ms, the
+    least a real forward of 256 requests takes) for the daemon to run that step's stores, so the
+    next Step meets a daemon that is not still busy with this one, as it would behind a real forward."""
     c = DepotClient(address, strict=True)
     c._reg = type("R", (), {"engine_id": engine_id})()  # type: ignore[assignment]  # attach to the scheduler's engine
     w = c.worker(0)
     w.attached.wait(10)
-    steps.put(-1)  # attached
+    acks.put(-1)  # attached
     while (s := steps.get()) is not None:
         w.forward_done(s)
-        w.poll()
-    w.wait(lambda evs: False, 0.2)
+        w.wait(lambda evs: bool(evs), 0.005)
+        acks.put(s)
     c.close()
 
 
 def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
     bs = LAYOUT.block_size
-    q: mp.Queue = mp.get_context("spawn").Queue()
-    proc = mp.get_context("spawn").Process(target=worker_main, args=(c.address, c.engine_id, q))
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    acks: mp.Queue = ctx.Queue()
+    proc = ctx.Process(target=worker_main, args=(c.address, c.engine_id, q, acks))
     proc.start()
-    while q.get() != -1:
-        pass
+    acks.get(timeout=30)
 
-    class W:  # forward-done goes to the worker process, as an engine's scheduler tells its workers
+    class W:  # the step goes to the worker process, as an engine's scheduler hands it to its workers
         @staticmethod
         def forward_done(step: int) -> None:
             q.put(step)
 
         @staticmethod
         def poll() -> None:
-            pass
+            acks.get(timeout=10)  # the "forward" of this step is over
 
     w = W()
     rng = random.Random(0)
@@ -107,7 +111,13 @@ def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
         w.poll()
     q.put(None)
     proc.join(10)
+    empty: list[float] = []  # the floor: a Step that carries nothing, same client and daemon
+    for _ in range(500):
+        t0 = time.perf_counter()
+        c.step(StepBatch())
+        empty.append((time.perf_counter() - t0) * 1000)
     return {
+        "empty_step_p50_ms": round(statistics.median(empty[50:]), 3),
         "step256_p50_ms": round(statistics.median(times), 3),
         "step256_p99_ms": round(pct(times, 0.99), 3),
         "step256_mean_ms": round(statistics.fmean(times), 3),

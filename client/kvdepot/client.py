@@ -70,35 +70,19 @@ def _degraded(client: Any, e: grpc.RpcError, what: str) -> None:
         log.error("kvdepot %s rejected (%s): %s; treating it as a miss", what, code.name, e.details())
 
 
-class DepotClient:
-    """Synchronous client; safe to share between threads."""
+class _ClientCore:
+    """What the sync and asyncio clients share: settings, registration state, request building
+    and the decisions about failures. Subclasses only differ in how they wait."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False) -> None:
+    def __init__(self, address: str, deadline_s: float, admin_deadline_s: float, strict: bool, channel: Any) -> None:
         self.address = address
         self.deadline_s = deadline_s
         self.admin_deadline_s = admin_deadline_s
         self.strict = strict
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.BlockManagerStub(self._channel)
+        self._channel = channel
+        self._stub = pb_grpc.BlockManagerStub(channel)
         self._reg: _Registration | None = None
         self._step = 0
-        self._closed = threading.Event()
-        self._keeper: threading.Thread | None = None
-        self._workers: list[WorkerLink] = []
-
-    # -- engine registration -------------------------------------------------------------------
-    def register_engine(
-        self, model: str, layout: KvLayout, *, name: str = "", namespace: str = "", update_style: str = "vllm", lease_ms: int = 0
-    ) -> str:
-        """Registers the engine and starts the keeper. Returns the engine id, or "" when the daemon
-        did not answer (the keeper keeps trying; engine-path calls are misses until then)."""
-        layout.validate()
-        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms))
-        self._try_register(raise_errors=True)
-        if self._keeper is None:
-            self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)
-            self._keeper.start()
-        return self._reg.engine_id
 
     @property
     def engine_id(self) -> str:
@@ -109,6 +93,68 @@ class DepotClient:
         """Registration generation: when it changes, the daemon has no slots of older requests."""
         return self._reg.epoch if self._reg else 0
 
+    @property
+    def last_step(self) -> int:
+        return self._step
+
+    def _start_registration(self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int) -> None:
+        layout.validate()
+        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms))
+
+    def _registration_failed(self, e: grpc.RpcError, raise_errors: bool) -> bool:
+        """False when the daemon did not answer (the keeper retries); raises a rejection when asked."""
+        if e.code() in MISSES and not (raise_errors and self.strict):
+            return False
+        if raise_errors:
+            raise from_rpc_error(e) from None
+        log.error("kvdepot: registration rejected: %s", e.details())
+        return False
+
+    def _heartbeat_failed(self, e: grpc.RpcError) -> None:
+        if e.code() is grpc.StatusCode.NOT_FOUND and self._reg is not None:
+            log.warning("kvdepot: the daemon forgot engine %s; registering again", self._reg.engine_id)
+            self._reg.engine_id = ""
+
+    def _lookup_request(
+        self, request_id: str, tokens: Sequence[int], L: int, cache_salt: str, lora_name: str, pin_ms: int
+    ) -> pb.LookupRequest | None:
+        if not self.engine_id:
+            return None
+        return m.lookup_pb(self.engine_id, request_id, tokens, L, cache_salt, lora_name, pin_ms)
+
+    def _step_request(self, batch: m.StepBatch) -> pb.StepRequest | None:
+        self._step += 1
+        return batch.to_pb(self.engine_id, self._step) if self.engine_id else None
+
+    def _unregister_request(self) -> pb.UnregisterEngineRequest | None:
+        if self._reg is None or not self._reg.engine_id:
+            return None
+        eid, self._reg = self._reg.engine_id, None
+        return pb.UnregisterEngineRequest(engine_id=eid)
+
+
+class DepotClient(_ClientCore):
+    """Synchronous client; safe to share between threads."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False) -> None:
+        super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self._closed = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._workers: list[WorkerLink] = []
+
+    # -- engine registration -------------------------------------------------------------------
+    def register_engine(
+        self, model: str, layout: KvLayout, *, name: str = "", namespace: str = "", update_style: str = "vllm", lease_ms: int = 0
+    ) -> str:
+        """Registers the engine and starts the keeper. Returns the engine id, or "" when the daemon
+        did not answer (the keeper keeps trying; engine-path calls are misses until then)."""
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms)
+        self._try_register(raise_errors=True)
+        if self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)
+            self._keeper.start()
+        return self.engine_id
+
     def _try_register(self, raise_errors: bool = False) -> bool:
         assert self._reg is not None
         try:
@@ -116,14 +162,7 @@ class DepotClient:
             log.info("kvdepot: engine registered as %s at %s", self._reg.engine_id, self.address)
             return True
         except grpc.RpcError as e:
-            if e.code() in MISSES:
-                if raise_errors and self.strict:
-                    raise from_rpc_error(e) from None
-                return False
-            if raise_errors:
-                raise from_rpc_error(e) from None
-            log.error("kvdepot: registration rejected: %s", e.details())
-            return False
+            return self._registration_failed(e, raise_errors)
 
     def _keep(self) -> None:
         next_beat = 0.0
@@ -134,15 +173,12 @@ class DepotClient:
             if not reg.engine_id:
                 self._try_register()
                 next_beat = time.monotonic() + reg.lease_ms / 3000
-                continue
-            if time.monotonic() >= next_beat:
+            elif time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + reg.lease_ms / 3000
                 try:
                     self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=reg.engine_id), timeout=1.0)
                 except grpc.RpcError as e:
-                    if e.code() is grpc.StatusCode.NOT_FOUND:
-                        log.warning("kvdepot: the daemon forgot engine %s; registering again", reg.engine_id)
-                        reg.engine_id = ""
+                    self._heartbeat_failed(e)
 
     # -- the engine path -----------------------------------------------------------------------
     def lookup(
@@ -155,9 +191,9 @@ class DepotClient:
         lora_name: str = "",
         pin_ms: int = 0,
     ) -> m.LookupResult:
-        if not self.engine_id:
+        req = self._lookup_request(request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
+        if req is None:
             return m.MISS
-        req = m.lookup_pb(self.engine_id, request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
         try:
             return m.lookup_result(self._stub.Lookup(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
@@ -166,18 +202,14 @@ class DepotClient:
 
     def step(self, batch: m.StepBatch) -> m.StepResult:
         """Sends one engine step. Step numbers are the client's own and strictly increase."""
-        self._step += 1
-        if not self.engine_id:
+        req = self._step_request(batch)
+        if req is None:
             return m.StepResult(self._step, degraded=True)
         try:
-            return m.step_result(self._stub.Step(batch.to_pb(self.engine_id, self._step), timeout=self.deadline_s))
+            return m.step_result(self._stub.Step(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
             _degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)
-
-    @property
-    def last_step(self) -> int:
-        return self._step
 
     def worker(self, rank: int = 0) -> WorkerLink:
         """The worker side of rank `rank`: forward-done out, op completions in (one stream, kept open)."""
@@ -211,10 +243,8 @@ class DepotClient:
         return self._admin("Clear", pb.ClearRequest())
 
     def unregister(self) -> None:
-        if self._reg is not None and self._reg.engine_id:
-            eid, self._reg.engine_id = self._reg.engine_id, ""
-            self._reg = None
-            self._admin("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=eid))
+        if (req := self._unregister_request()) is not None:
+            self._admin("UnregisterEngine", req)
 
     def close(self) -> None:
         self._closed.set()
@@ -320,37 +350,21 @@ class WorkerLink:
             backoff = min(backoff * 2, 1.0)
 
 
-class AsyncDepotClient:
+class AsyncDepotClient(_ClientCore):
     """The asyncio twin of DepotClient (same semantics: deadlines, degrade to miss, keeper task)."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False) -> None:
-        self.address = address
-        self.deadline_s = deadline_s
-        self.admin_deadline_s = admin_deadline_s
-        self.strict = strict
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = pb_grpc.BlockManagerStub(self._channel)
-        self._reg: _Registration | None = None
-        self._step = 0
+        super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._keeper: asyncio.Task[None] | None = None
-
-    @property
-    def engine_id(self) -> str:
-        return self._reg.engine_id if self._reg else ""
-
-    @property
-    def epoch(self) -> int:
-        return self._reg.epoch if self._reg else 0
 
     async def register_engine(
         self, model: str, layout: KvLayout, *, name: str = "", namespace: str = "", update_style: str = "vllm", lease_ms: int = 0
     ) -> str:
-        layout.validate()
-        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms))
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms)
         await self._try_register(raise_errors=True)
         if self._keeper is None:
             self._keeper = asyncio.get_running_loop().create_task(self._keep())
-        return self._reg.engine_id
+        return self.engine_id
 
     async def _try_register(self, raise_errors: bool = False) -> bool:
         assert self._reg is not None
@@ -358,11 +372,7 @@ class AsyncDepotClient:
             self._reg.accept(await self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0)))
             return True
         except grpc.RpcError as e:
-            if e.code() in MISSES and not (raise_errors and self.strict):
-                return False
-            if raise_errors:
-                raise from_rpc_error(e) from None
-            return False
+            return self._registration_failed(e, raise_errors)
 
     async def _keep(self) -> None:
         next_beat = 0.0
@@ -379,15 +389,14 @@ class AsyncDepotClient:
                 try:
                     await self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=reg.engine_id), timeout=1.0)
                 except grpc.RpcError as e:
-                    if e.code() is grpc.StatusCode.NOT_FOUND:
-                        reg.engine_id = ""
+                    self._heartbeat_failed(e)
 
     async def lookup(
         self, request_id: str, tokens: Sequence[int], *, device_matched_tokens: int = 0, cache_salt: str = "", lora_name: str = "", pin_ms: int = 0
     ) -> m.LookupResult:
-        if not self.engine_id:
+        req = self._lookup_request(request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
+        if req is None:
             return m.MISS
-        req = m.lookup_pb(self.engine_id, request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
         try:
             return m.lookup_result(await self._stub.Lookup(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
@@ -395,11 +404,11 @@ class AsyncDepotClient:
             return m.MISS
 
     async def step(self, batch: m.StepBatch) -> m.StepResult:
-        self._step += 1
-        if not self.engine_id:
+        req = self._step_request(batch)
+        if req is None:
             return m.StepResult(self._step, degraded=True)
         try:
-            return m.step_result(await self._stub.Step(batch.to_pb(self.engine_id, self._step), timeout=self.deadline_s))
+            return m.step_result(await self._stub.Step(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
             _degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)
@@ -433,17 +442,24 @@ class AsyncDepotClient:
     async def stats(self) -> pb.GetStatsResponse:
         return await self._admin("GetStats", pb.GetStatsRequest())
 
+    async def engines(self) -> list[pb.EngineInfo]:
+        return list((await self._admin("ListEngines", pb.ListEnginesRequest())).engines)
+
+    async def slots(self, engine_id: str | None = None) -> list[pb.SlotSummary]:
+        return list((await self._admin("ListSlots", pb.ListSlotsRequest(engine_id=engine_id or self.engine_id))).slots)
+
     async def slot(self, request_id: str, engine_id: str | None = None) -> pb.GetSlotResponse:
         return await self._admin("GetSlot", pb.GetSlotRequest(engine_id=engine_id or self.engine_id, request_id=request_id))
+
+    async def block(self, block_hash: int, engine_id: str | None = None) -> pb.GetBlockResponse:
+        return await self._admin("GetBlock", pb.GetBlockRequest(engine_id=engine_id or self.engine_id, hash=block_hash))
 
     async def clear(self) -> pb.ClearResponse:
         return await self._admin("Clear", pb.ClearRequest())
 
     async def unregister(self) -> None:
-        if self._reg is not None and self._reg.engine_id:
-            eid = self._reg.engine_id
-            self._reg = None
-            await self._admin("UnregisterEngine", pb.UnregisterEngineRequest(engine_id=eid))
+        if (req := self._unregister_request()) is not None:
+            await self._admin("UnregisterEngine", req)
 
     async def close(self) -> None:
         if self._keeper is not None:
