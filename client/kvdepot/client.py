@@ -275,8 +275,32 @@ class WorkerLink:
         self._last_forward = -1
         self.attached = threading.Event()
         self._call: Any = None
+        self._kv: pb.RegisterKvCachesRequest | None = None
+        self._kv_engine = ""  # the engine id the KV caches were last registered under
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-worker-{rank}", daemon=True)
         self._thread.start()
+
+    def register_kv_caches(self, req: pb.RegisterKvCachesRequest) -> bool:
+        """Hands this rank's KV tensors (kvdepot.handles) to the daemon, now and again after every
+        re-registration of the engine. False (or an error when strict) if the daemon refused them."""
+        self._kv = req
+        return self._register_kv(self.client.engine_id, raise_errors=True)
+
+    def _register_kv(self, engine_id: str, raise_errors: bool = False) -> bool:
+        if self._kv is None or not engine_id or self._kv_engine == engine_id:
+            return self._kv is None or self._kv_engine == engine_id
+        req = pb.RegisterKvCachesRequest()
+        req.CopyFrom(self._kv)
+        req.engine_id, req.rank = engine_id, self.rank
+        try:
+            self.client._stub.RegisterKvCaches(req, timeout=max(self.client.admin_deadline_s, 5.0))
+        except grpc.RpcError as e:
+            if raise_errors and self.client.strict:
+                raise from_rpc_error(e) from None
+            log.error("kvdepot worker %d: KV caches not registered: %s", self.rank, e.details())
+            return False
+        self._kv_engine = engine_id
+        return True
 
     def forward_done(self, step: int) -> None:
         self._last_forward = max(self._last_forward, step)
@@ -324,8 +348,9 @@ class WorkerLink:
         backoff = 0.05
         while not self._closed:
             engine_id = self.client.engine_id
-            if not engine_id:
-                time.sleep(0.05)
+            if not engine_id or not self._register_kv(engine_id):
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
                 continue
             try:
                 self._call = self.client._stub.WorkerStream(self._requests(engine_id))

@@ -15,6 +15,12 @@ OpKindName = Literal["load", "store"]
 _KIND = {pb.OP_KIND_LOAD: "load", pb.OP_KIND_STORE: "store"}
 _TIER = {pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
 STYLES = {"vllm": pb.UPDATE_STYLE_VLLM, "trtllm": pb.UPDATE_STYLE_TRTLLM}
+KINDS_PB = {
+    "none": pb.KV_LAYOUT_KIND_UNSPECIFIED,
+    "vllm_cpu": pb.KV_LAYOUT_KIND_VLLM_CPU,
+    "vllm_flash": pb.KV_LAYOUT_KIND_VLLM_FLASH,
+    "contiguous": pb.KV_LAYOUT_KIND_CONTIGUOUS,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +196,7 @@ def register_pb(model: str, layout: KvLayout, name: str, namespace: str, style: 
             dtype=layout.dtype,
             block_size=layout.block_size,
             world_size=layout.world_size,
+            kind=KINDS_PB[layout.kind],
         ),
         namespace=namespace,
         update_style=STYLES[style],

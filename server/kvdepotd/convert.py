@@ -21,8 +21,20 @@ STYLE_PB = {UpdateStyle.VLLM: pb.UPDATE_STYLE_VLLM, UpdateStyle.TRTLLM: pb.UPDAT
 KIND_PB = {OpKind.LOAD: pb.OP_KIND_LOAD, OpKind.STORE: pb.OP_KIND_STORE}
 
 
+LAYOUT_KIND = {
+    pb.KV_LAYOUT_KIND_UNSPECIFIED: "none",
+    pb.KV_LAYOUT_KIND_VLLM_CPU: "vllm_cpu",
+    pb.KV_LAYOUT_KIND_VLLM_FLASH: "vllm_flash",
+    pb.KV_LAYOUT_KIND_CONTIGUOUS: "contiguous",
+}
+LAYOUT_KIND_PB = {v: k for k, v in LAYOUT_KIND.items()}
+
+
 def layout_from_pb(m: pb.KvLayout) -> KvLayout:
-    return KvLayout(m.num_layers, m.num_kv_heads, m.head_size, m.dtype, m.block_size, m.world_size)
+    kind = LAYOUT_KIND.get(m.kind)
+    if kind is None:
+        raise InvalidRequest(f"unknown layout kind {m.kind}")
+    return KvLayout(m.num_layers, m.num_kv_heads, m.head_size, m.dtype, m.block_size, m.world_size, kind)
 
 
 def layout_to_pb(lay: KvLayout) -> pb.KvLayout:
@@ -33,6 +45,7 @@ def layout_to_pb(lay: KvLayout) -> pb.KvLayout:
         dtype=lay.dtype,
         block_size=lay.block_size,
         world_size=lay.world_size,
+        kind=LAYOUT_KIND_PB[lay.kind],
     )
 
 

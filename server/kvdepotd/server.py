@@ -26,6 +26,7 @@ from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig
 from kvdepotd.metrics import Metrics
 from kvdepotd.service import DepotService, safe_parser
+from kvdepotd.storage.host_arena import ArenaError, HostArena
 
 log = logging.getLogger("kvdepotd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -89,7 +90,11 @@ class Daemon:
         self.cfg = cfg
         self.depot = Depot(depot_config(cfg))
         self.metrics = Metrics(self.depot)
-        self.service = DepotService(self.depot, self.metrics)
+        try:
+            self.arena = HostArena(cfg.host_bytes)
+        except ArenaError as e:
+            raise StartupError(str(e)) from None
+        self.service = DepotService(self.depot, self.metrics, self.arena)
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
@@ -157,6 +162,7 @@ class Daemon:
             await self.server.stop(self.cfg.drain_grace_s)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
+        self.arena.close()
         for addr in self.addresses:
             if addr.startswith("unix:"):
                 path = addr[len("unix://") :] if addr.startswith("unix://") else addr[len("unix:") :]

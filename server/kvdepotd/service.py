@@ -27,7 +27,9 @@ from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.errors import status_of
 from kvdepotd.metrics import Metrics
-from kvdepotd.transfer import BookkeepingCopyEngine, CopyEngine, PartDone
+from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.transfer import HostCopyEngine, PartDone
+from kvdepotd.transfer.mapping import map_rank
 
 log = logging.getLogger("kvdepotd")
 T = TypeVar("T")
@@ -98,10 +100,11 @@ class WorkerChannel:
 
 
 class DepotService(pb_grpc.BlockManagerServicer):
-    def __init__(self, depot: Depot, metrics: Metrics, copy_engine: type[CopyEngine] = BookkeepingCopyEngine) -> None:
+    def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2) -> None:
         self.depot = depot
         self.metrics = metrics
-        self.copy = copy_engine(self._parts_done)
+        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads)
+        self._pumping = False
         self.channels: dict[tuple[EngineId, int], WorkerChannel] = {}
         self.backlog: dict[tuple[EngineId, int], deque[pb.WorkerEvent]] = {}
         self.started = time.time()
@@ -137,10 +140,16 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     # -- the pump ---------------------------------------------------------------------------------
     def _pump(self) -> None:
-        parts = self.depot.take_ready()
-        while parts:
-            self.copy.submit(parts)
+        if self._pumping:  # a copy engine that ends parts at once calls back into us
+            return
+        self._pumping = True
+        try:
             parts = self.depot.take_ready()
+            while parts:
+                self.copy.submit(parts)
+                parts = self.depot.take_ready()
+        finally:
+            self._pumping = False
         events = self.depot.take_events()
         if not events:
             return
@@ -171,9 +180,13 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     def _parts_done(self, done: list[PartDone]) -> None:
         for d in done:
-            self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message)
+            self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message, d.corrupt)
+            if d.corrupt:
+                log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
+        self._pump()
 
     def _close_engine(self, engine_id: EngineId, reason: str) -> None:
+        self.copy.forget_engine(engine_id)
         for key in [k for k in self.channels if k[0] == engine_id]:
             self.channels.pop(key).close(reason)
         for key in [k for k in self.backlog if k[0] == engine_id]:
@@ -201,6 +214,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             lease_ms=request.lease_ms,
             now_ms=self.now_ms(),
         )
+        self.copy.add_engine(engine_id, eng.layout)
         log.info(
             "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s",
             engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value,
@@ -224,6 +238,21 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._pump()
         log.info("engine %s unregistered (%d slots released)", engine_id, released)
         return pb.UnregisterEngineResponse(released_slots=released)
+
+    @rpc
+    async def RegisterKvCaches(self, request: pb.RegisterKvCachesRequest, context: grpc.aio.ServicerContext) -> pb.RegisterKvCachesResponse:
+        engine_id = EngineId(request.engine_id)
+        eng = self.depot.engine(engine_id)
+        if request.rank >= eng.layout.world_size:
+            raise InvalidRequest(f"rank {request.rank} is outside the engine's world size {eng.layout.world_size}")
+        mapping = map_rank(engine_id, eng.layout, request)
+        self.copy.add_mapping(mapping)
+        self._touch_lease(engine_id)
+        log.info(
+            "engine %s rank %d mapped %d tensors (%d blocks, %.1f MiB) on %s",
+            engine_id, request.rank, len(request.tensors), mapping.num_blocks, mapping.mapped_bytes / 2**20, mapping.device,
+        )
+        return pb.RegisterKvCachesResponse(mapped_bytes=mapping.mapped_bytes)
 
     # -- the engine path ------------------------------------------------------------------------
     @rpc

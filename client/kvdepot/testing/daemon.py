@@ -37,7 +37,8 @@ class DaemonProcess:
         self.tcp = self.tcp or f"127.0.0.1:{free_port()}"
         self.unix = self.unix or f"unix:{tmp}/kvdepotd.sock"
         self.log_path = os.path.join(tmp, "kvdepotd.log")
-        cmd = [sys.executable, "-m", "kvdepotd", "serve", "--listen", self.tcp, "--listen", self.unix, "--metrics-listen", "", *self.args]
+        sized = [] if any(a.startswith("--host-gib") for a in self.args) else ["--host-gib", "0.25"]  # tests need little
+        cmd = [sys.executable, "-m", "kvdepotd", "serve", "--listen", self.tcp, "--listen", self.unix, "--metrics-listen", "", *sized, *self.args]
         env = {**os.environ, **self.env}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

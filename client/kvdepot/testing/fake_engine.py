@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 from kvdepot.client import DepotClient, WorkerLink
 from kvdepot.hashing import block_hashes, salt_hash, tokens_to_bytes
+from kvdepot.layout import KvLayout
 from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult
+from kvdepot.testing.kv import FakeKv
 
 
 @dataclass
@@ -43,6 +45,7 @@ class FakeRequest:
     epoch: int = 0  # client registration epoch when the daemon learned of it
     preemptions: int = 0
     output: list[int] = field(default_factory=list)
+    kv_mismatches: list[int] = field(default_factory=list)  # positions whose KV was wrong at finish
 
     @property
     def n(self) -> int:
@@ -52,6 +55,7 @@ class FakeRequest:
 @dataclass
 class EngineStats:
     computed_tokens: int = 0  # tokens the "forward" computed
+    kv_mismatched_tokens: int = 0  # positions whose KV was wrong when a request finished (must stay 0)
     local_hit_tokens: int = 0
     loaded_tokens: int = 0
     failed_load_blocks: int = 0
@@ -70,14 +74,24 @@ class FakeEngine:
         world_size: int = 1,
         use_depot: bool = True,
         load_timeout_s: float = 5.0,
+        layout: KvLayout | None = None,
     ) -> None:
+        """`layout` with a kind other than "none" gives the engine real KV tensors (FakeKv) that its
+        forward writes and the daemon reads and fills through registered /dev/shm handles."""
         self.client = client
         self.bs = block_size
         self.num_blocks = num_blocks
         self.max_batched = max_batched_tokens
         self.use_depot = use_depot
         self.load_timeout_s = load_timeout_s
+        self.kv: FakeKv | None = None
+        if layout is not None and layout.kind != "none":
+            assert layout.block_size == block_size and layout.world_size == world_size
+            self.kv = FakeKv(layout, num_blocks)
         self.workers: list[WorkerLink] = [client.worker(r) for r in range(world_size)] if use_depot else []
+        if self.kv is not None:
+            for w, req in zip(self.workers, self.kv.share()):
+                w.register_kv_caches(req)
         self.refs = [0] * num_blocks
         self.block_hash: dict[int, int] = {}  # block -> hash of the full block it holds (cached)
         self.cache: dict[int, int] = {}  # hash -> block (own prefix cache)
@@ -281,6 +295,8 @@ class FakeEngine:
         for r, S in scheduled:
             end = min(r.n, r.computed + S)
             self.stats.computed_tokens += end - r.computed
+            if self.kv is not None:
+                self.kv.write(r.table, r.tokens, range(r.computed, end))
             r.computed = end
             hashes = block_hashes(tokens_to_bytes(r.tokens[: end - end % self.bs]), self.bs, salt_hash(r.cache_salt))
             for i, h in enumerate(hashes):
@@ -300,6 +316,10 @@ class FakeEngine:
                     r.tokens.append(tok)
 
     def _finish(self, r: FakeRequest, aborted: bool = False) -> None:
+        if self.kv is not None and r.table:
+            bad = self.kv.mismatches(r.table, r.tokens, r.computed)
+            r.kv_mismatches = bad
+            self.stats.kv_mismatched_tokens += len(bad)
         self.done[r.rid] = r
         self.finished_ids.append(r.rid)
         self.held[r.rid] = r.table  # freed once the next step's answer says whether to wait
@@ -329,6 +349,8 @@ class FakeEngine:
                 del self.cache[h]
             self.refs[b] = 1
             out.append(b)
+        if self.kv is not None:
+            self.kv.poison(out)  # fresh blocks hold garbage: a load that did not happen shows up
         return out
 
     def _ref(self, b: int) -> None:

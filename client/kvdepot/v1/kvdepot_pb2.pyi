@@ -19,6 +19,13 @@ class UpdateStyle(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UPDATE_STYLE_VLLM: _ClassVar[UpdateStyle]
     UPDATE_STYLE_TRTLLM: _ClassVar[UpdateStyle]
 
+class KvLayoutKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_LAYOUT_KIND_UNSPECIFIED: _ClassVar[KvLayoutKind]
+    KV_LAYOUT_KIND_VLLM_CPU: _ClassVar[KvLayoutKind]
+    KV_LAYOUT_KIND_VLLM_FLASH: _ClassVar[KvLayoutKind]
+    KV_LAYOUT_KIND_CONTIGUOUS: _ClassVar[KvLayoutKind]
+
 class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OP_KIND_UNSPECIFIED: _ClassVar[OpKind]
@@ -30,25 +37,31 @@ TIER_DISK: Tier
 UPDATE_STYLE_UNSPECIFIED: UpdateStyle
 UPDATE_STYLE_VLLM: UpdateStyle
 UPDATE_STYLE_TRTLLM: UpdateStyle
+KV_LAYOUT_KIND_UNSPECIFIED: KvLayoutKind
+KV_LAYOUT_KIND_VLLM_CPU: KvLayoutKind
+KV_LAYOUT_KIND_VLLM_FLASH: KvLayoutKind
+KV_LAYOUT_KIND_CONTIGUOUS: KvLayoutKind
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_LOAD: OpKind
 OP_KIND_STORE: OpKind
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "world_size")
+    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "world_size", "kind")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_size: int
     dtype: str
     block_size: int
     world_size: int
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    kind: KvLayoutKind
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ..., kind: _Optional[_Union[KvLayoutKind, str]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms")
@@ -101,6 +114,80 @@ class UnregisterEngineResponse(_message.Message):
     RELEASED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     released_slots: int
     def __init__(self, released_slots: _Optional[int] = ...) -> None: ...
+
+class CpuShmHandle(_message.Message):
+    __slots__ = ("path", "offset", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    size: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device", "handle", "size", "offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class KvStorage(_message.Message):
+    __slots__ = ("cpu_shm", "cuda_ipc")
+    CPU_SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    cpu_shm: CpuShmHandle
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, cpu_shm: _Optional[_Union[CpuShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class KvTensor(_message.Message):
+    __slots__ = ("name", "storage", "storage_offset", "shape", "stride", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    storage: int
+    storage_offset: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., storage: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class RegisterKvCachesRequest(_message.Message):
+    __slots__ = ("engine_id", "rank", "num_blocks", "storages", "tensors")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORAGES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    rank: int
+    num_blocks: int
+    storages: _containers.RepeatedCompositeFieldContainer[KvStorage]
+    tensors: _containers.RepeatedCompositeFieldContainer[KvTensor]
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., storages: _Optional[_Iterable[_Union[KvStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KvTensor, _Mapping]]] = ...) -> None: ...
+
+class RegisterKvCachesResponse(_message.Message):
+    __slots__ = ("mapped_bytes",)
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    mapped_bytes: int
+    def __init__(self, mapped_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("engine_id", "request_id", "tokens", "tokens_u32le", "cache_salt", "lora_name", "device_matched_tokens", "pin_ms")

@@ -49,6 +49,11 @@ class BlockManagerStub:
                 request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.UnregisterEngineRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.UnregisterEngineResponse.FromString,
                 _registered_method=True)
+        self.RegisterKvCaches = channel.unary_unary(
+                '/kvdepot.v1.BlockManager/RegisterKvCaches',
+                request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.RegisterKvCachesRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.RegisterKvCachesResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvdepot.v1.BlockManager/Lookup',
                 request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.LookupRequest.SerializeToString,
@@ -115,6 +120,13 @@ class BlockManagerServicer:
 
     def UnregisterEngine(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterKvCaches(self, request, context):
+        """Each worker rank hands over its KV tensors once, as handles the daemon maps (no bytes on the wire).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -195,6 +207,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.UnregisterEngine,
                     request_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.UnregisterEngineRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.UnregisterEngineResponse.SerializeToString,
+            ),
+            'RegisterKvCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterKvCaches,
+                    request_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.RegisterKvCachesRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.RegisterKvCachesResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
@@ -323,6 +340,33 @@ class BlockManager:
             '/kvdepot.v1.BlockManager/UnregisterEngine',
             kvdepot_dot_v1_dot_kvdepot__pb2.UnregisterEngineRequest.SerializeToString,
             kvdepot_dot_v1_dot_kvdepot__pb2.UnregisterEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterKvCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.BlockManager/RegisterKvCaches',
+            kvdepot_dot_v1_dot_kvdepot__pb2.RegisterKvCachesRequest.SerializeToString,
+            kvdepot_dot_v1_dot_kvdepot__pb2.RegisterKvCachesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -400,7 +400,7 @@ class Depot:
         failed: set[int] = set()
         for i, h in zip(idx, hashes):
             e = reg.state_of(h)
-            if e is not None and e.status is BlockStatus.RESIDENT:
+            if e is not None and e.status is BlockStatus.RESIDENT and not e.doomed:
                 reg.pin(h)
                 tier_slots.append(e.slot)
             else:
@@ -519,8 +519,12 @@ class Depot:
         ready, self._ready = self._ready, []
         return [(op, r) for op, r in ready if op.op_id in self.ops.ops]
 
-    def complete_part(self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "") -> None:
-        op = self.ops.finish_part(op_id, rank, failed, message)
+    def complete_part(
+        self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "", corrupt: list[int] | None = None
+    ) -> None:
+        """`failed`: block indices this part could not copy; `corrupt`: those whose tier bytes
+        failed their checksum (they are dropped from the tier as well)."""
+        op = self.ops.finish_part(op_id, rank, failed, message, corrupt)
         if op is not None:
             self._op_ended(op)
 
@@ -542,6 +546,9 @@ class Depot:
             else:
                 if s is not None:
                     reg.unpin(h)
+                if i in op.corrupt:
+                    reg.discard(h)
+                    self.counters["checksum_failures"] += 1
                 self.counters["loaded_blocks" if ok else "load_failed_blocks"] += 1
                 if current and slot is not None and slot.states[i] is BlockState.LOADING:
                     slot.states[i] = BlockState.LOADED if ok else BlockState.LOAD_FAILED

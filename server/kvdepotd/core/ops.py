@@ -49,6 +49,7 @@ class Op:
     parts_left: set[int] = field(default_factory=set)  # ranks not yet reported
     started: set[int] = field(default_factory=set)  # ranks handed to the copy engine
     failed: set[int] = field(default_factory=set)  # block indices that failed on some rank
+    corrupt: set[int] = field(default_factory=set)  # of those, the ones whose tier bytes were bad
     message: str = ""
 
     @property
@@ -105,7 +106,9 @@ class OpTable:
         """True while no rank has started the op (it can still be cancelled without touching bytes)."""
         return not op.started
 
-    def finish_part(self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "") -> Op | None:
+    def finish_part(
+        self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "", corrupt: list[int] | None = None
+    ) -> Op | None:
         op = self.ops.get(op_id)
         if op is None or rank not in op.parts_left:
             return None
@@ -113,6 +116,9 @@ class OpTable:
         if failed:
             op.failed.update(failed)
             op.message = op.message or message
+        if corrupt:
+            op.corrupt.update(corrupt)
+            op.failed.update(corrupt)
         if op.parts_left:
             return None
         del self.ops[op_id]

@@ -35,15 +35,18 @@ class SlabArena:
         return self.total_bytes - self.used_bytes
 
     def slab_size_for(self, block_bytes: int) -> tuple[int, int]:
-        """(blocks per slab, slab bytes) for a block size; a block larger than a slab gets a slab of its own."""
-        per_slab = max(1, self.slab_bytes // block_bytes)
+        """(blocks per slab, slab bytes) for a block size; a block larger than a slab gets a slab of
+        its own, and a tier smaller than a slab is one slab."""
+        per_slab = max(1, min(self.slab_bytes, self.total_bytes) // block_bytes)
         return per_slab, per_slab * block_bytes
 
-    def claim(self, nbytes: int) -> bool:
+    def claim(self, nbytes: int) -> int | None:
+        """Byte offset of a new slab of `nbytes` in the tier, or None when the budget is spent."""
         if nbytes > self.free_bytes:
-            return False
+            return None
+        offset = self.used_bytes
         self.used_bytes += nbytes
-        return True
+        return offset
 
 
 class BlockPool:
@@ -55,6 +58,7 @@ class BlockPool:
         self._arena = arena
         self.blocks_per_slab, self._slab_bytes = arena.slab_size_for(block_bytes)
         self.num_slabs = 0
+        self._slab_offsets: list[int] = []  # tier byte offset of each slab
         self._free: list[SlotId] = []
         self._is_free: bytearray = bytearray()  # per slot: 1 = free; guards double free
 
@@ -87,9 +91,16 @@ class BlockPool:
         self._is_free[slot] = 1
         self._free.append(slot)
 
+    def byte_offset(self, slot: SlotId) -> int:
+        """Where the slot's bytes start in the tier (slab offset + index * block size)."""
+        slab, index = divmod(slot, self.blocks_per_slab)
+        return self._slab_offsets[slab] + index * self.block_bytes
+
     def _grow(self) -> bool:
-        if not self._arena.claim(self._slab_bytes):
+        offset = self._arena.claim(self._slab_bytes)
+        if offset is None:
             return False
+        self._slab_offsets.append(offset)
         first = self.num_slots
         self.num_slabs += 1
         self._is_free.extend(b"\x01" * self.blocks_per_slab)

@@ -9,6 +9,7 @@ Primitives (all synchronous; the caller is the Depot, on one thread):
                                        as STORING; None when the tier is full of pinned/in-flight blocks
     complete_store(hash, success)      STORING -> RESIDENT, or drops the block and frees its slot
     pin(hash) / unpin(hash)            a pin is a count; pinned blocks are never evicted
+    discard(hash)                      drops a corrupt block (at once, or when its last pin goes)
     touch(hashes)                      marks use, for LRU
     clear() -> (dropped, kept)         drops every block that is neither pinned nor in flight
 
@@ -44,6 +45,7 @@ class BlockEntry:
     children: int = 0  # entries (in this registry) whose parent is this block
     last_use: int = 0  # logical clock; LRU order
     hits: int = 0
+    doomed: bool = False  # failed its checksum: never matched again, dropped when the last pin goes
 
     @property
     def evictable(self) -> bool:
@@ -126,7 +128,7 @@ class BlockRegistry:
         entries = self.entries
         for h in hashes:
             e = entries.get(h)
-            if e is None or e.status is not BlockStatus.RESIDENT:
+            if e is None or e.status is not BlockStatus.RESIDENT or e.doomed:
                 break
             n += 1
         return n
@@ -171,8 +173,21 @@ class BlockRegistry:
         e.pins -= 1
         if e.pins == 0:
             self.num_pinned -= 1
+            if e.doomed:
+                self._drop(e)
+                return
             e.last_use = self._tick()  # a pin is a use: LRU counts from its release
             self._policy.offer(e)
+
+    def discard(self, h: BlockHash) -> None:
+        """Drops a block whose bytes are bad (KV can be recomputed; never repaired): now if nobody
+        holds it, else as soon as the last pin goes. It is never matched again either way."""
+        e = self.entries.get(h)
+        if e is None or e.status is not BlockStatus.RESIDENT:
+            return
+        e.doomed = True
+        if e.pins == 0:
+            self._drop(e)
 
     def match_and_pin(self, hashes: list[BlockHash]) -> int:
         """lookup() that pins the matched prefix in the same pass (a long prompt's lookup is on the
@@ -182,7 +197,7 @@ class BlockRegistry:
         n = newly_pinned = 0
         for h in hashes:
             e = get(h)
-            if e is None or e.status is not resident:
+            if e is None or e.status is not resident or e.doomed:
                 break
             if not e.pins:
                 newly_pinned += 1

@@ -1,6 +1,6 @@
-"""The copy engine: runs op parts (one op on one rank) and reports each part's result."""
+"""Copy engines: run op parts (one op on one rank) and report each part's result."""
 
 from kvdepotd.transfer.base import CopyEngine, PartDone
-from kvdepotd.transfer.bookkeeping import BookkeepingCopyEngine
+from kvdepotd.transfer.host import HostCopyEngine
 
-__all__ = ["BookkeepingCopyEngine", "CopyEngine", "PartDone"]
+__all__ = ["CopyEngine", "HostCopyEngine", "PartDone"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvdepotd.core.ops import Op, OpId
 
@@ -23,6 +23,7 @@ class PartDone:
     rank: int
     failed: list[int]
     message: str = ""
+    corrupt: list[int] = field(default_factory=list)  # failed because the tier's bytes failed their checksum
 
 
 class CopyEngine(ABC):

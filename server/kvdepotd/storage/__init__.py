@@ -1,0 +1,1 @@
+"""Bytes and files: the host arena (and, later, disk slabs)."""

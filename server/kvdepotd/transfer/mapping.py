@@ -1,0 +1,126 @@
+"""A worker rank's KV tensors as the daemon sees them: mapped storages and, per block, the
+contiguous runs (address, bytes) to copy, in host-block order.
+
+Handles are validated before anything is mapped: a cpu_shm path must be a regular file directly
+under /dev/shm that only its owner can read (mode 0600), the views must fit in their storages, and the
+shapes must match the engine's layout. A bad handle is INVALID_ARGUMENT, never a crash: every
+address the copy engine will touch is checked here, once.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+import torch
+
+from kvdepot.layout import KvLayout, Region, TensorMeta, block_regions
+from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
+
+SHM_DIR = "/dev/shm"
+MAX_TENSORS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Block b of this run is at address + b * block_stride, `nbytes` long, and lands at
+    `host_offset` inside the rank's part of a host block."""
+
+    address: int
+    block_stride: int
+    nbytes: int
+    host_offset: int
+    storage: int  # which mapped storage, and the run's byte offset in it (for device copies)
+    storage_offset: int
+
+
+@dataclass
+class RankMapping:
+    engine_id: str
+    rank: int
+    num_blocks: int
+    runs: list[Run]
+    storages: list[torch.UntypedStorage]  # kept alive: the mappings live as long as these do
+    mapped_bytes: int
+    device: str  # "cpu" or "cuda:N"
+    device_bytes: list[torch.Tensor]  # cuda: a uint8 view of each storage; cpu: empty
+
+
+def _open_cpu_shm(h: pb.CpuShmHandle) -> tuple[torch.UntypedStorage, int]:
+    """The mapped file and the address where the storage starts in it."""
+    path = os.path.realpath(h.path)
+    if os.path.dirname(path) != SHM_DIR:
+        raise InvalidRequest(f"cpu_shm path {h.path!r} is not a file directly under {SHM_DIR}")
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise InvalidRequest(f"cpu_shm path {h.path!r} cannot be opened: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidRequest(f"cpu_shm path {h.path!r} is not a regular file")
+    if st.st_mode & 0o077:
+        raise InvalidRequest(f"cpu_shm path {h.path!r} has mode {oct(st.st_mode & 0o777)}; it must be 0600")
+    if h.size == 0 or h.offset + h.size > st.st_size:
+        raise InvalidRequest(f"cpu_shm storage [{h.offset}, {h.offset + h.size}) does not fit the {st.st_size}-byte file {h.path!r}")
+    storage = torch.from_file(path, shared=True, size=st.st_size, dtype=torch.uint8).untyped_storage()
+    return storage, storage.data_ptr() + h.offset
+
+
+def _open_cuda_ipc(h: pb.CudaIpcHandle) -> tuple[torch.UntypedStorage, int]:
+    if not torch.cuda.is_available():
+        raise FailedPrecondition("this daemon has no CUDA device: it cannot map cuda_ipc handles")
+    if h.device >= torch.cuda.device_count():
+        raise InvalidRequest(f"cuda_ipc device {h.device} does not exist here ({torch.cuda.device_count()} devices)")
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h.device, h.handle, h.size, h.offset, h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required
+        )
+        return storage, storage.data_ptr()
+    except RuntimeError as e:
+        raise InvalidRequest(f"cuda_ipc handle does not open: {e}") from None
+
+
+def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest) -> RankMapping:
+    if layout.kind == "none":
+        raise FailedPrecondition("the engine registered layout kind 'none': it has no KV tensors to map")
+    if not req.storages or not req.tensors or len(req.tensors) > MAX_TENSORS:
+        raise InvalidRequest(f"register 1 to {MAX_TENSORS} tensors over at least one storage")
+    if req.num_blocks == 0:
+        raise InvalidRequest("num_blocks must be positive")
+    metas: list[TensorMeta] = []
+    for i, t in enumerate(req.tensors):
+        if t.dtype != layout.dtype:
+            raise InvalidRequest(f"tensor {i} ({t.name}) is {t.dtype!r}, the engine's layout says {layout.dtype!r}")
+        if t.storage >= len(req.storages):
+            raise InvalidRequest(f"tensor {i} ({t.name}) names storage {t.storage} of {len(req.storages)}")
+        metas.append(TensorMeta(tuple(t.shape), tuple(t.stride), t.storage_offset))
+    try:
+        regions = block_regions(layout, metas, req.num_blocks)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    sizes = [s.cpu_shm.size if s.WhichOneof("handle") == "cpu_shm" else s.cuda_ipc.size for s in req.storages]
+    kinds = {s.WhichOneof("handle") for s in req.storages}
+    if None in kinds or len(kinds) != 1:
+        raise InvalidRequest("every storage needs a handle, and all of one kind (cpu_shm or cuda_ipc)")
+    esize = layout.dtype_bytes
+    for r in regions:  # every byte the copy engine may touch must lie inside its storage
+        t = req.tensors[r.tensor]
+        last = (t.storage_offset + r.offset + (req.num_blocks - 1) * r.block_stride + r.length) * esize
+        if last > sizes[t.storage]:
+            raise InvalidRequest(f"tensor {r.tensor} ({t.name}) reaches byte {last}, past its {sizes[t.storage]}-byte storage")
+    opened = [_open_cpu_shm(s.cpu_shm) if s.WhichOneof("handle") == "cpu_shm" else _open_cuda_ipc(s.cuda_ipc) for s in req.storages]
+    runs: list[Run] = []
+    host_off = 0
+    for r in regions:
+        t = req.tensors[r.tensor]
+        storage, start = opened[t.storage]
+        base = start + (t.storage_offset + r.offset) * esize
+        runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - storage.data_ptr()))
+        host_off += r.length * esize
+    device = "cpu" if "cpu_shm" in kinds else f"cuda:{req.storages[0].cuda_ipc.device}"
+    device_bytes = []
+    if device != "cpu":
+        for storage, _ in opened:
+            device_bytes.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),)))  # type: ignore[call-overload]
+    return RankMapping(engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, device_bytes)

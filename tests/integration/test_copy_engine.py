@@ -1,0 +1,69 @@
+"""The host copy engine in-process: real shared memory, real threads, a real arena."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvdepot.hashing import tokens_to_bytes
+from kvdepot.layout import KvLayout
+from kvdepot.testing.kv import FakeKv
+from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted
+from kvdepotd.core.ops import EngineId, OpKind, RequestId
+from kvdepotd.core.slots import SlotUpdate, UpdateStyle
+from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.transfer.host import HostCopyEngine
+from kvdepotd.transfer.mapping import map_rank
+
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")
+E = EngineId("e")
+
+
+async def run_ops(depot: Depot, copy: HostCopyEngine) -> list[OpCompleted]:
+    """Hands ready parts to the copy engine and waits until none is in flight."""
+    events: list[OpCompleted] = []
+    for _ in range(200):
+        parts = depot.take_ready()
+        if parts:
+            copy.submit(parts)
+        events += [e for e in depot.take_events() if isinstance(e, OpCompleted)]
+        if not depot.ops.ops and not parts:
+            return events
+        await asyncio.sleep(0.01)
+    raise TimeoutError("ops did not end")
+
+
+def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
+    async def main() -> None:
+        arena = HostArena(1 << 20)
+        depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
+        copy = HostCopyEngine(lambda done: [depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt) for d in done], arena)
+        depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0)
+        copy.add_engine(E, LAYOUT)
+        kv = FakeKv(LAYOUT, num_blocks=8)
+        [req] = kv.share()
+        copy.add_mapping(map_rank(E, LAYOUT, req))
+        toks = list(range(40, 73))  # 33 tokens: blocks 0 and 1 are full
+        kv.write([0, 1, 2], toks, range(33))
+        depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 33, tokens_to_bytes(toks), (0, 1, 2))], [], [], 0)
+        depot.forward_done(E, 0, 1)
+        [store] = await run_ops(depot, copy)
+        assert store.op.kind is OpKind.STORE and store.op.success
+        # Flip one byte of block 1 in the host tier.
+        reg = depot.engines[E].domain.registry
+        h1 = depot.slot(E, RequestId("a")).hashes[1]
+        off = reg.pool.byte_offset(reg.entries[h1].slot) + 100
+        arena.tensor[off] ^= 0xFF
+        res = depot.lookup(E, RequestId("b"), tokens_to_bytes(toks), cache_salt="", lora_name="", device_matched_tokens=0, pin_ms=0, now_ms=0)
+        assert res.matched_tokens == 32
+        kv.poison([4, 5])
+        depot.step(E, 2, [SlotUpdate(RequestId("b"), True, 32, 1, tokens_to_bytes(toks), (4, 5, 6), 0, 32)], [], [], 0)
+        [load] = await run_ops(depot, copy)
+        assert load.op.kind is OpKind.LOAD and load.op.failed == {1} and load.op.corrupt == {1}
+        assert load.op.failed_block_ids() == [5]
+        assert kv.mismatches([4], toks, 16) == []  # block 0 arrived byte-exact
+        assert h1 not in reg.entries and depot.counters["checksum_failures"] == 1
+        depot.check_invariants()
+        await copy.close()
+        kv.close()
+
+    asyncio.run(main())

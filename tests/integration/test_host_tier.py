@@ -1,0 +1,180 @@
+"""Real KV bytes between FakeEngine's tensors and the daemon's host tier, over a process boundary."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvdepot import DepotClient, KvLayout
+from kvdepot.handles import share_cpu_tensors
+from kvdepot.testing import DaemonProcess, FakeEngine
+from kvdepot.v1 import kvdepot_pb2 as pb
+
+pytestmark = pytest.mark.integration
+KINDS = ["vllm_cpu", "vllm_flash", "contiguous"]
+
+
+def layout(kind: str, world_size: int = 1) -> KvLayout:
+    return KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, world_size=world_size, kind=kind)
+
+
+@pytest.fixture(scope="module")
+def depot() -> Iterator[DaemonProcess]:
+    d = DaemonProcess(args=["--host-gib", "0.0625", "--slab-mib", "1"]).start()  # small slabs: many layout classes
+    yield d
+    assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()
+
+
+def engine(d: DaemonProcess, kind: str, model: str = "kv-model", world_size: int = 1, **kw: object) -> FakeEngine:
+    c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+    lay = layout(kind, world_size)
+    c.register_engine(model + "-" + kind, lay)
+    e = FakeEngine(c, layout=lay, world_size=world_size, **kw)  # type: ignore[arg-type]
+    for w in e.workers:
+        assert w.attached.wait(5)
+    return e
+
+
+def close(e: FakeEngine) -> None:
+    e.client.close()
+    assert e.kv is not None
+    e.kv.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_repeated_prompt_is_loaded_byte_exact(depot: DaemonProcess, kind: str) -> None:
+    e = engine(depot, kind)
+    p = list(range(300, 500))
+    first = e.generate(p, max_new_tokens=3)
+    e.reset_prefix_cache()
+    second = e.generate(p, max_new_tokens=3)
+    assert e.stats.loaded_tokens == 192 and e.stats.failed_load_blocks == 0
+    assert e.stats.kv_mismatched_tokens == 0 and second.output == first.output
+    e.check()
+    close(e)
+
+
+def test_mixed_local_and_daemon_blocks_byte_exact(depot: DaemonProcess) -> None:
+    e = engine(depot, "vllm_cpu", model="mixed")
+    p = list(range(7000, 7080)) + [1, 2, 3]
+    e.generate(p[:32] + [5] * 20, max_new_tokens=1)  # the engine's own cache: p's first 32 tokens
+    other = engine(depot, "vllm_cpu", model="mixed")
+    other.generate(p, max_new_tokens=1)  # the daemon: p's blocks 0-4
+    planned = e.client.stats().counters["store_blocks_planned"]
+    r = e.generate(p, max_new_tokens=2)
+    assert (e.stats.local_hit_tokens, e.stats.loaded_tokens) == (32, 48)
+    assert r.kv_mismatches == [] and e.stats.kv_mismatched_tokens == 0
+    assert e.client.stats().counters["store_blocks_planned"] == planned  # nothing stored twice
+    close(e)
+    close(other)
+
+
+def test_two_engines_share_blocks(depot: DaemonProcess) -> None:
+    a = engine(depot, "vllm_flash", model="shared")
+    b = engine(depot, "vllm_flash", model="shared")
+    p = list(range(900, 1030))
+    a.generate(p, max_new_tokens=1)
+    r = b.generate(p, max_new_tokens=1)
+    assert b.stats.loaded_tokens == 128 and r.kv_mismatches == []
+    close(a)
+    close(b)
+
+
+def test_tensor_parallel_ranks_each_get_their_bytes(depot: DaemonProcess) -> None:
+    e = engine(depot, "contiguous", model="tp2", world_size=2)
+    p = list(range(50, 150))
+    e.generate(p, max_new_tokens=1)
+    e.reset_prefix_cache()
+    r = e.generate(p, max_new_tokens=1)
+    assert e.stats.loaded_tokens == 96 and r.kv_mismatches == []
+    close(e)
+
+
+def test_eviction_under_pressure_stays_correct() -> None:
+    # 3 layers x 2 x 16 x 2 heads x 8 x fp16 = 3 KiB per block; a 96 KiB tier holds 32 blocks.
+    with DaemonProcess(args=["--host-gib", str(96 / 2**20), "--slab-mib", "1"]) as d:
+        e = engine(d, "vllm_cpu", model="pressure")
+        prompts = [list(range(i * 1000, i * 1000 + 160)) for i in range(6)]  # 60 blocks > 32
+        for p in prompts:
+            e.generate(p, max_new_tokens=1)
+        e.reset_prefix_cache()
+        for p in reversed(prompts):  # the most recent prompts are the ones still in the tier
+            assert e.generate(p, max_new_tokens=1).kv_mismatches == []
+        s = e.client.stats()
+        assert s.counters["evictions"] > 0 and s.pools[0].used_blocks <= 32
+        assert e.stats.loaded_tokens > 0 and e.stats.kv_mismatched_tokens == 0
+        close(e)
+
+
+def test_daemon_killed_mid_transfer_requests_complete_correctly() -> None:
+    d = DaemonProcess(args=["--host-gib", "0.0625"]).start()
+    c = DepotClient(d.tcp, deadline_s=0.3)
+    lay = layout("vllm_cpu")
+    c.register_engine("killed", lay)
+    e = FakeEngine(c, layout=lay, max_batched_tokens=64, load_timeout_s=0.5)
+    assert e.workers[0].attached.wait(5)
+    prompts = [list(range(i * 100, i * 100 + 150)) for i in range(4)]
+    for p in prompts:
+        e.generate(p, max_new_tokens=2)
+    e.reset_prefix_cache()
+    for p in prompts:
+        e.add_request(p, max_new_tokens=20)
+    e.step()  # loads are under way
+    d.stop(signal.SIGKILL)
+    e.run_until_done()
+    assert e.stats.kv_mismatched_tokens == 0
+    assert all(len(r.output) in (2, 20) for r in e.done.values())
+    e.check()
+    c.close()
+    assert e.kv is not None
+    e.kv.close()
+
+
+def test_bad_handles_are_refused(depot: DaemonProcess, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    c = DepotClient(depot.tcp, strict=True, deadline_s=5.0)
+    lay = layout("vllm_flash")
+    c.register_engine("handles", lay)
+    tensors = [torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16) for _ in range(3)]
+    req, paths = share_cpu_tensors(tensors, num_blocks=4)
+
+    def send(mutate) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+        r = pb.RegisterKvCachesRequest()
+        r.CopyFrom(req)
+        r.engine_id = c.engine_id
+        mutate(r)
+        with pytest.raises(grpc.RpcError) as info:
+            c._stub.RegisterKvCaches(r, timeout=5)
+        return info.value
+
+    outside = tmp_path / "kv"
+    outside.write_bytes(b"\0" * 4096)
+    e = send(lambda r: setattr(r.storages[0].cpu_shm, "path", str(outside)))
+    assert e.code() is grpc.StatusCode.INVALID_ARGUMENT and "/dev/shm" in e.details()
+    os.chmod(paths[0], 0o644)
+    e = send(lambda r: None)
+    assert "mode" in e.details()
+    os.chmod(paths[0], 0o600)
+    e = send(lambda r: r.tensors[1].shape.__setitem__(1, 5))
+    assert "shape" in e.details()
+    e = send(lambda r: setattr(r, "num_blocks", 5))
+    assert "shape" in e.details()
+    e = send(lambda r: r.tensors[2].__setattr__("storage_offset", 10**6))
+    assert "past its" in e.details()
+    e = send(lambda r: setattr(r, "rank", 3))
+    assert "world size" in e.details()
+    e = send(lambda r: r.tensors[0].__setattr__("dtype", "float32"))
+    assert "float32" in e.details()
+    r = pb.RegisterKvCachesRequest()
+    r.CopyFrom(req)
+    r.engine_id = c.engine_id
+    assert c._stub.RegisterKvCaches(r, timeout=5).mapped_bytes == sum(t.untyped_storage().nbytes() for t in tensors)
+    c.close()
+    for p in paths:
+        os.unlink(p)
