@@ -45,7 +45,18 @@ class RankMapping:
     storages: list[torch.UntypedStorage]  # kept alive: the mappings live as long as these do
     mapped_bytes: int
     device: str  # "cpu" or "cuda:N"
-    device_bytes: list[torch.Tensor]  # cuda: a uint8 view of each storage; cpu: empty
+    storage_bytes: list[torch.Tensor]  # a uint8 tensor over each storage (on its device)
+    # When a block's runs are equally long, equally spaced and in one storage (vLLM CPU's layer
+    # views of one storage; the contiguous layout), one strided tensor copy moves the whole block:
+    # (storage, byte offset of run 0 of block 0, gap between runs, run bytes, runs).
+    uniform: tuple[int, int, int, int, int] | None = None
+
+    def block_view(self, bid: int) -> torch.Tensor:
+        """The block as a [runs, run bytes] strided uint8 view (only when `uniform`)."""
+        assert self.uniform is not None
+        storage, first, gap, nbytes, nruns = self.uniform
+        block_stride = self.runs[0].block_stride
+        return self.storage_bytes[storage].as_strided((nruns, nbytes), (gap, 1), first + bid * block_stride)
 
 
 def _open_cpu_shm(h: pb.CpuShmHandle) -> tuple[torch.UntypedStorage, int]:
@@ -119,8 +130,19 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest) 
         runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - storage.data_ptr()))
         host_off += r.length * esize
     device = "cpu" if "cpu_shm" in kinds else f"cuda:{req.storages[0].cuda_ipc.device}"
-    device_bytes = []
-    if device != "cpu":
-        for storage, _ in opened:
-            device_bytes.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),)))  # type: ignore[call-overload]
-    return RankMapping(engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, device_bytes)
+    storage_bytes = [
+        torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
+        for storage, _ in opened
+    ]
+    return RankMapping(engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs))
+
+
+def _uniform(runs: list[Run]) -> tuple[int, int, int, int, int] | None:
+    first = runs[0]
+    gap = runs[1].storage_offset - first.storage_offset if len(runs) > 1 else first.nbytes
+    for k, r in enumerate(runs):
+        if (r.storage, r.nbytes, r.block_stride, r.host_offset) != (first.storage, first.nbytes, first.block_stride, k * first.nbytes):
+            return None
+        if r.storage_offset != first.storage_offset + k * gap or gap < first.nbytes:
+            return None
+    return first.storage, first.storage_offset, gap, first.nbytes, len(runs)
