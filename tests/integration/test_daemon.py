@@ -146,3 +146,12 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "kvdepot_lookups_total 1.0" in body
     assert 'kvdepot_pool_capacity_blocks{layout_class="L2xH2xD8xfloat16xB16xW1",tier="host"}' in body
     assert 'kvdepot_rpc_duration_seconds_count{method="Lookup"} 1.0' in body
+
+
+def test_host_tier_too_large_is_a_clear_startup_error() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdepotd", "serve", "--host-gib", "100000", "--listen", "127.0.0.1:0", "--metrics-listen", ""],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 1
+    assert "cannot start" in out.stderr and "--host-gib" in out.stderr and "/dev/shm" in out.stderr
