@@ -170,7 +170,8 @@ def main() -> int:
     ap.add_argument("--address", default="")
     args = ap.parse_args()
     metrics_port = free_port()
-    daemon = None if args.address else DaemonProcess(args=["--log-level", "warning", "--metrics-listen", f"127.0.0.1:{metrics_port}"]).start()
+    daemon_args = ["--log-level", "warning", "--metrics-listen", f"127.0.0.1:{metrics_port}", "--host-gib", "2"]  # 8192 blocks of 128 KiB fit
+    daemon = None if args.address else DaemonProcess(args=daemon_args).start(timeout_s=60)
     address = args.address or daemon.tcp  # type: ignore[union-attr]
     try:
         out: dict[str, object] = {"bench": "control_plane", "address": "loopback tcp"}

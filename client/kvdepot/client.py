@@ -282,13 +282,16 @@ class WorkerLink:
 
     def register_kv_caches(self, req: pb.RegisterKvCachesRequest) -> bool:
         """Hands this rank's KV tensors (kvdepot.handles) to the daemon, now and again after every
-        re-registration of the engine. False (or an error when strict) if the daemon refused them."""
+        re-registration of the engine. False when the daemon refused them or is not reachable yet
+        (the link keeps trying); an error instead when the client is strict."""
         self._kv = req
         return self._register_kv(self.client.engine_id, raise_errors=True)
 
     def _register_kv(self, engine_id: str, raise_errors: bool = False) -> bool:
-        if self._kv is None or not engine_id or self._kv_engine == engine_id:
-            return self._kv is None or self._kv_engine == engine_id
+        if self._kv is None or (engine_id and self._kv_engine == engine_id):
+            return True
+        if not engine_id:
+            return False  # the engine is not registered yet: the link registers the tensors later
         req = pb.RegisterKvCachesRequest()
         req.CopyFrom(self._kv)
         req.engine_id, req.rank = engine_id, self.rank

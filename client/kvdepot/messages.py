@@ -183,21 +183,25 @@ class StepBatch:
         )
 
 
+def layout_pb(layout: KvLayout) -> pb.KvLayout:
+    return pb.KvLayout(
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_size=layout.head_size,
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        world_size=layout.world_size,
+        kind=KINDS_PB[layout.kind],
+    )
+
+
 def register_pb(model: str, layout: KvLayout, name: str, namespace: str, style: str, lease_ms: int) -> pb.RegisterEngineRequest:
     if style not in STYLES:
         raise ValueError(f"update_style must be one of {sorted(STYLES)}, got {style!r}")
     return pb.RegisterEngineRequest(
         engine_name=name,
         model=model,
-        layout=pb.KvLayout(
-            num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_size=layout.head_size,
-            dtype=layout.dtype,
-            block_size=layout.block_size,
-            world_size=layout.world_size,
-            kind=KINDS_PB[layout.kind],
-        ),
+        layout=layout_pb(layout),
         namespace=namespace,
         update_style=STYLES[style],
         lease_ms=lease_ms,

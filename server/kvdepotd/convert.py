@@ -6,6 +6,7 @@ import array
 import sys
 
 from kvdepot.layout import KvLayout
+from kvdepot.messages import KINDS_PB, layout_pb
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.core.depot import Engine, StepPlan
 from kvdepotd.core.errors import InvalidRequest
@@ -21,13 +22,7 @@ STYLE_PB = {UpdateStyle.VLLM: pb.UPDATE_STYLE_VLLM, UpdateStyle.TRTLLM: pb.UPDAT
 KIND_PB = {OpKind.LOAD: pb.OP_KIND_LOAD, OpKind.STORE: pb.OP_KIND_STORE}
 
 
-LAYOUT_KIND = {
-    pb.KV_LAYOUT_KIND_UNSPECIFIED: "none",
-    pb.KV_LAYOUT_KIND_VLLM_CPU: "vllm_cpu",
-    pb.KV_LAYOUT_KIND_VLLM_FLASH: "vllm_flash",
-    pb.KV_LAYOUT_KIND_CONTIGUOUS: "contiguous",
-}
-LAYOUT_KIND_PB = {v: k for k, v in LAYOUT_KIND.items()}
+LAYOUT_KIND = {v: k for k, v in KINDS_PB.items()}
 
 
 def layout_from_pb(m: pb.KvLayout) -> KvLayout:
@@ -35,18 +30,6 @@ def layout_from_pb(m: pb.KvLayout) -> KvLayout:
     if kind is None:
         raise InvalidRequest(f"unknown layout kind {m.kind}")
     return KvLayout(m.num_layers, m.num_kv_heads, m.head_size, m.dtype, m.block_size, m.world_size, kind)
-
-
-def layout_to_pb(lay: KvLayout) -> pb.KvLayout:
-    return pb.KvLayout(
-        num_layers=lay.num_layers,
-        num_kv_heads=lay.num_kv_heads,
-        head_size=lay.head_size,
-        dtype=lay.dtype,
-        block_size=lay.block_size,
-        world_size=lay.world_size,
-        kind=LAYOUT_KIND_PB[lay.kind],
-    )
 
 
 def style_from_pb(value: int) -> UpdateStyle:
@@ -167,7 +150,7 @@ def engine_info(eng: Engine, ranks: list[int]) -> pb.EngineInfo:
         engine_id=eng.engine_id,
         engine_name=eng.name,
         model=eng.model,
-        layout=layout_to_pb(eng.layout),
+        layout=layout_pb(eng.layout),
         namespace=eng.namespace,
         update_style=STYLE_PB[eng.style],
         slots=len(eng.slots),

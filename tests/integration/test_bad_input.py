@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from kvdepot import DepotClient, KvLayout, StepBatch
+from kvdepot import DepotClient, StepBatch
 from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
 from kvdepot.testing import DaemonProcess
 from kvdepot.v1 import kvdepot_pb2 as pb

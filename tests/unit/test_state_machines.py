@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.depot import OpCompleted, RequestReleased
 from kvdepotd.core.errors import DepotError, FailedPrecondition
-from kvdepotd.core.ops import OpKind, RequestId
+from kvdepotd.core.ops import OpKind
 from kvdepotd.core.pool import BlockPool, SlabArena
 from kvdepotd.core.registry import BlockRegistry, BlockStatus
 from kvdepotd.core.slots import UpdateStyle

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvdepot.layout import KvLayout, Region, TensorMeta, block_regions
+from kvdepot.layout import KvLayout, TensorMeta, block_regions
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
 
