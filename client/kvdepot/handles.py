@@ -5,13 +5,15 @@
                                  the engine keeps using the same tensor objects; tensors that shared
                                  a storage (vLLM CPU's per-layer views) keep sharing one file
     export_cuda_tensors(tensors) torch's CUDA IPC sharing fields, per storage
-    remove_shm_files(paths)      unlinks what share_cpu_tensors created (the worker does this at exit)
+    remove_shm_files(paths)      unlinks what share_cpu_tensors created (also done at interpreter exit;
+                                 the mappings stay valid, the files only serve a daemon that restarts)
 
 Both return a pb.RegisterKvCachesRequest without engine id and rank, ready for register_kv_caches.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import uuid
 from collections.abc import Sequence
@@ -74,6 +76,7 @@ def share_cpu_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: S
         handles.append(pb.KvStorage(cpu_shm=pb.CpuShmHandle(path=path, offset=0, size=s.nbytes())))
     for t, i in zip(tensors, which):
         t.set_(moved[i], t.storage_offset(), t.size(), t.stride())
+    atexit.register(remove_shm_files, list(paths))
     names = list(names) or [f"layer{i}" for i in range(len(tensors))]
     req = pb.RegisterKvCachesRequest(num_blocks=num_blocks, storages=handles, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)])
     return req, paths
