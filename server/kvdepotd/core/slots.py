@@ -23,6 +23,9 @@ from kvdepotd.core.errors import FailedPrecondition, InvalidRequest, NotFound
 from kvdepotd.core.ops import OpId, RequestId
 
 
+MAX_ID_LEN = 256  # request ids, engine names, models, namespaces
+
+
 class UpdateStyle(enum.Enum):
     VLLM = "vllm"  # computed_tokens = num_computed_tokens (L+E on a new request)
     TRTLLM = "trtllm"  # computed_tokens = computed_position (excludes a sync load on a new request)
