@@ -144,6 +144,7 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
             c.lookup("r", list(range(64)))
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert "kvdepot_lookups_total 1.0" in body
+    assert "kvdepot_checksum_failures_total 0.0" in body  # every counter exists from the start
     assert 'kvdepot_pool_capacity_blocks{layout_class="L2xH2xD8xfloat16xB16xW1",tier="host"}' in body
     assert 'kvdepot_rpc_duration_seconds_count{method="Lookup"} 1.0' in body
 

@@ -335,3 +335,18 @@ def test_rejected_step_is_undone_entirely() -> None:
     sim.step_no -= 1
     plan = sim.step(sim.cached("a", C=15, S=1, tokens=[7], blocks=[D[5]]))
     assert blocks_of(plan, STORE) == [0]
+
+
+def test_every_counter_the_core_moves_is_declared() -> None:
+    """Dashboards see every counter from the start; a counter missing from COUNTERS would vanish."""
+    import pathlib
+    import re
+
+    from kvdepotd.core import depot
+
+    src = pathlib.Path(depot.__file__).read_text()
+    used = set(re.findall(r'counters\["([a-z_]+)"\]', src))
+    for pair in re.findall(r'"([a-z_]+)" if ok else "([a-z_]+)"', src):
+        used |= set(pair)
+    assert {"stored_blocks", "load_failed_blocks"} <= used
+    assert used <= set(depot.COUNTERS), used - set(depot.COUNTERS)

@@ -31,6 +31,15 @@ from kvdepotd.core.rows import RowPass, check_columns
 from kvdepotd.core.slots import MAX_ID_LEN, BlockState, Phase, Slot, SlotUpdate, StepColumns, UpdateStyle
 
 MAX_LEASE_MS = 3_600_000
+# Every counter the core keeps (exported as kvdepot_<name>_total, at 0 until it first moves).
+COUNTERS = (
+    "engines_registered", "engines_unregistered", "leases_expired",
+    "lookups", "lookup_hit_tokens", "pins_expired",
+    "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
+    "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "stored_blocks", "store_failed_blocks",
+    "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
+    "ops_expired", "cleared_blocks", "evictions",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,7 +540,7 @@ class Depot:
         return self.engine(engine_id).domain.registry.state_of(h)
 
     def all_counters(self) -> dict[str, int]:
-        out = dict(self.counters)
+        out = {name: self.counters.get(name, 0) for name in COUNTERS}
         out["evictions"] = sum(d.registry.evictions for d in self.domains.values())
         return out
 
