@@ -5,6 +5,9 @@ Prints one JSON line:
   lookup128k_ms                      Lookup of a 131072-token prompt the host tier holds (full hit, worst case)
   lookup128k_miss_ms                 the same prompt when nothing matches (encoding + transport of 512 KiB)
   empty_step_p50_ms                  a Step carrying nothing: the gRPC round-trip floor of this machine
+  step256_sparse_*                   the same 256 decoding requests as a connector sends them: an update
+                                     only when a request appends or completes a block (engine-side cost
+                                     per step, including the steps that need no round trip)
 Targets (DESIGN.md): p50 <= 1 ms, p99 <= 3 ms, lookup <= 10 ms.
 
     python bench/control_plane.py [--steps 2000] [--address HOST:PORT]   (no --address: starts a daemon)
@@ -109,12 +112,39 @@ def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
         if s >= 50:  # warm-up
             times.append(dt * 1000)
         w.poll()
+    # The same batch as a connector sends it: a request's update goes out only when it appends a
+    # block or completes one (its tokens ride along); a step with nothing to say costs no round trip.
+    sparse: list[float] = []
+    for r in reqs:
+        r["pending"] = []
+        r["sent_end"] = r["n"]
+    for s in range(steps):
+        b = StepBatch()
+        for r in reqs:
+            n = r["n"]
+            r["pending"].append(rng.randrange(50_000))
+            new_blocks = []
+            if n + 1 > r["blocks"] * bs:
+                new_blocks = [next_block]
+                next_block += 1
+                r["blocks"] += 1
+            r["n"] = n + 1
+            if new_blocks or (n + 1) // bs > r["sent_end"] // bs:
+                b.cached(r["rid"], r["pending"], new_blocks, computed=n, scheduled=1)
+                r["pending"], r["sent_end"] = [], n + 1
+        t0 = time.perf_counter()  # the batch is what the connector built; from here on, the wire and the daemon
+        res = c.step(b)
+        sparse.append((time.perf_counter() - t0) * 1000)
+        assert not res.degraded
+        w.forward_done(res.step)
+        w.poll()
     q.put(None)
     proc.join(10)
-    empty: list[float] = []  # the floor: a Step that carries nothing, same client and daemon
+    empty: list[float] = []  # the floor: a Step RPC that carries nothing, same client and daemon
     for _ in range(500):
+        req = c._step_request(StepBatch())  # (the client itself skips empty steps; force the round trip)
         t0 = time.perf_counter()
-        c.step(StepBatch())
+        c._stub.Step(req, timeout=5)
         empty.append((time.perf_counter() - t0) * 1000)
     return {
         "empty_step_p50_ms": round(statistics.median(empty[50:]), 3),
@@ -122,6 +152,9 @@ def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
         "step256_p99_ms": round(pct(times, 0.99), 3),
         "step256_mean_ms": round(statistics.fmean(times), 3),
         "steps": len(times),
+        "step256_sparse_p50_ms": round(statistics.median(sparse), 3),
+        "step256_sparse_p99_ms": round(pct(sparse, 0.99), 3),
+        "step256_sparse_mean_ms": round(statistics.fmean(sparse), 3),
     }
 
 

@@ -126,6 +126,14 @@ class _ClientCore:
         self._step += 1
         return batch.to_pb(self.engine_id, self._step) if self.engine_id else None
 
+    def _empty_step(self, batch: m.StepBatch) -> m.StepResult | None:
+        """An empty step needs no answer: it costs no round trip (the number is used up all the same,
+        so forward-done reports stay in step with the engine)."""
+        if not batch.empty:
+            return None
+        self._step += 1
+        return m.StepResult(self._step, degraded=not self.engine_id)
+
     def _unregister_request(self) -> pb.UnregisterEngineRequest | None:
         if self._reg is None or not self._reg.engine_id:
             return None
@@ -202,6 +210,8 @@ class DepotClient(_ClientCore):
 
     def step(self, batch: m.StepBatch) -> m.StepResult:
         """Sends one engine step. Step numbers are the client's own and strictly increase."""
+        if (skipped := self._empty_step(batch)) is not None:
+            return skipped
         req = self._step_request(batch)
         if req is None:
             return m.StepResult(self._step, degraded=True)
@@ -432,6 +442,8 @@ class AsyncDepotClient(_ClientCore):
             return m.MISS
 
     async def step(self, batch: m.StepBatch) -> m.StepResult:
+        if (skipped := self._empty_step(batch)) is not None:
+            return skipped
         req = self._step_request(batch)
         if req is None:
             return m.StepResult(self._step, degraded=True)

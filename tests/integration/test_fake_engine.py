@@ -93,7 +93,7 @@ def test_daemon_killed_mid_run_every_request_completes() -> None:
     d = DaemonProcess().start()
     c = DepotClient(d.tcp, deadline_s=0.2)
     c.register_engine("m", LAYOUT)
-    e = FakeEngine(c, max_batched_tokens=64, load_timeout_s=0.5)
+    e = FakeEngine(c, max_batched_tokens=64, load_timeout_s=0.5, release_timeout_s=1.0)
     for i in range(6):
         e.add_request(list(range(i * 50, i * 50 + 150)), max_new_tokens=30)
     for _ in range(5):

@@ -116,7 +116,7 @@ def test_daemon_killed_mid_transfer_requests_complete_correctly() -> None:
     c = DepotClient(d.tcp, deadline_s=0.3)
     lay = layout("vllm_cpu")
     c.register_engine("killed", lay)
-    e = FakeEngine(c, layout=lay, max_batched_tokens=64, load_timeout_s=0.5)
+    e = FakeEngine(c, layout=lay, max_batched_tokens=64, load_timeout_s=0.5, release_timeout_s=1.0)
     assert e.workers[0].attached.wait(5)
     prompts = [list(range(i * 100, i * 100 + 150)) for i in range(4)]
     for p in prompts:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from kvdepot.client import DepotClient, WorkerLink
@@ -41,6 +42,7 @@ class FakeRequest:
     E: int = 0
     sent_tokens: int = 0  # tokens already sent to the daemon
     sent_blocks: int = 0
+    sent_end: int = 0  # computed + scheduled of the last update sent
     is_new: bool = True  # next update is a new one (first schedule or resume)
     epoch: int = 0  # client registration epoch when the daemon learned of it
     preemptions: int = 0
@@ -75,6 +77,8 @@ class FakeEngine:
         use_depot: bool = True,
         load_timeout_s: float = 5.0,
         layout: KvLayout | None = None,
+        sparse: bool = True,
+        release_timeout_s: float = 35.0,
     ) -> None:
         """`layout` with a kind other than "none" gives the engine real KV tensors (FakeKv) that its
         forward writes and the daemon reads and fills through registered /dev/shm handles."""
@@ -84,6 +88,9 @@ class FakeEngine:
         self.max_batched = max_batched_tokens
         self.use_depot = use_depot
         self.load_timeout_s = load_timeout_s
+        self.sparse = sparse  # send cached updates only when they matter (see _update_needed)
+        self.release_timeout_s = release_timeout_s  # longer than the daemon's op deadline
+        self.held_until: dict[str, tuple[float, int]] = {}  # delay-freed request -> (give up at, epoch)
         self.kv: FakeKv | None = None
         if layout is not None and layout.kind != "none":
             assert layout.block_size == block_size and layout.world_size == world_size
@@ -121,6 +128,8 @@ class FakeEngine:
     def run_until_done(self, max_steps: int = 10_000) -> None:
         while (self.waiting or self.running or self.held or self.finished_ids) and self.steps < max_steps:
             self.step()
+            if not (self.waiting or self.running or self.finished_ids):
+                time.sleep(0.005)  # only releases are pending: idle steps, as an engine's would be
         if self.waiting or self.running:
             raise RuntimeError(f"requests still pending after {max_steps} steps")
 
@@ -237,9 +246,18 @@ class FakeEngine:
             batch.new(r.rid, toks, r.table, computed=r.computed, scheduled=S, device_matched=r.L, loaded=r.E, cache_salt=r.cache_salt)
         elif r.epoch != self.client.epoch:
             return  # the daemon forgot it (restart): it simply gets no more stores
+        elif self.sparse and not self._update_needed(r, S):
+            return  # nothing for the daemon to decide: the tokens ride along with the next update
         else:
             batch.cached(r.rid, r.tokens[r.sent_tokens :], r.table[r.sent_blocks :], computed=r.computed, scheduled=S)
-        r.sent_tokens, r.sent_blocks, r.is_new = r.n, len(r.table), False
+        r.sent_tokens, r.sent_blocks, r.is_new, r.sent_end = r.n, len(r.table), False, r.computed + S
+
+    def _update_needed(self, r: FakeRequest, S: int) -> bool:
+        """A cached update matters only when blocks were appended, a block completes in this step's
+        forward, or the engine's count went back; a decode step that does none of these costs the
+        engine no round trip (DESIGN.md)."""
+        end = r.computed + S
+        return len(r.table) > r.sent_blocks or end // self.bs > r.sent_end // self.bs or r.computed < r.sent_end
 
     def _send(self, batch: StepBatch) -> StepResult | None:
         if not self.use_depot:
@@ -259,6 +277,7 @@ class FakeEngine:
             blocks = self.held.pop(rid, [])
             if rid in result.delay_free:
                 self.held[rid] = blocks  # keep until RequestReleased
+                self.held_until[rid] = (time.monotonic() + self.release_timeout_s, self.client.epoch)
             else:
                 for b in blocks:
                     self._unref(b)
@@ -332,8 +351,18 @@ class FakeEngine:
     def _handle_events(self, events: list) -> None:  # list[WorkerEvent]
         for e in events:
             if isinstance(e, RequestReleased) and e.request_id in self.held and e.request_id not in self.finished_ids:
-                for b in self.held.pop(e.request_id):
-                    self._unref(b)
+                self._release(e.request_id)
+        # A release that cannot come any more (the daemon restarted, or died and every op deadline
+        # passed) must not strand the blocks: the daemon stopped touching them by then.
+        now = time.monotonic()
+        for rid, (deadline, epoch) in list(self.held_until.items()):
+            if rid in self.held and (now > deadline or epoch != self.client.epoch):
+                self._release(rid)
+
+    def _release(self, rid: str) -> None:
+        self.held_until.pop(rid, None)
+        for b in self.held.pop(rid):
+            self._unref(b)
 
     # -- block pool ---------------------------------------------------------------------------------
     def _alloc(self, n: int) -> list[int] | None:
