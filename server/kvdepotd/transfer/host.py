@@ -22,7 +22,7 @@ import xxhash._xxhash
 
 from kvdepot.layout import KvLayout
 from kvdepotd.core.ops import Op, OpKind
-from kvdepotd.core.pool import BlockPool, SlotId
+from kvdepotd.core.pool import SlotId
 from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer.base import CopyEngine, PartDone
 from kvdepotd.transfer.mapping import RankMapping
@@ -103,7 +103,7 @@ class HostCopyEngine(CopyEngine):
             loop.call_soon_threadsafe(self._chunk_done, part, fut)
 
         for chunk in chunks:
-            self._pool.submit(self._copy, op.kind, op.registry.pool, layout, mapping, rank, chunk).add_done_callback(finished)
+            self._pool.submit(self._copy, op, layout, mapping, rank, chunk).add_done_callback(finished)
 
     def _chunk_done(self, part: _Part, fut: Future[tuple[list[int], list[int], str]]) -> None:
         try:
@@ -119,7 +119,8 @@ class HostCopyEngine(CopyEngine):
             self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt)])
 
     # -- the copies (worker threads) ------------------------------------------------------------------
-    def _copy(self, kind: OpKind, pool: BlockPool, layout: KvLayout, m: RankMapping, rank: int, work: Work) -> tuple[list[int], list[int], str]:
+    def _copy(self, op: Op, layout: KvLayout, m: RankMapping, rank: int, work: Work) -> tuple[list[int], list[int], str]:
+        kind, pool = op.kind, op.registry.pool
         failed: list[int] = []
         corrupt: list[int] = []
         message = ""
@@ -129,6 +130,8 @@ class HostCopyEngine(CopyEngine):
         arena = self.arena
         on_gpu = m.device != "cpu"
         for i, bid, slot in work:
+            if rank not in op.parts_left:  # the op ended (its deadline passed): touch no more engine blocks
+                break
             if bid >= m.num_blocks:
                 failed.append(i)
                 message = message or f"engine block {bid} is outside the {m.num_blocks} registered blocks"
