@@ -142,7 +142,8 @@ def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
     proc.join(10)
     empty: list[float] = []  # the floor: a Step RPC that carries nothing, same client and daemon
     for _ in range(500):
-        req = c._step_request(StepBatch())  # (the client itself skips empty steps; force the round trip)
+        c._step += 1  # (the client itself skips empty steps; force the round trip)
+        req = StepBatch().to_pb(c.engine_id, c._step)
         t0 = time.perf_counter()
         c._stub.Step(req, timeout=5)
         empty.append((time.perf_counter() - t0) * 1000)

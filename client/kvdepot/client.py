@@ -122,17 +122,14 @@ class _ClientCore:
             return None
         return m.lookup_pb(self.engine_id, request_id, tokens, L, cache_salt, lora_name, pin_ms)
 
-    def _step_request(self, batch: m.StepBatch) -> pb.StepRequest | None:
+    def _step_request(self, batch: m.StepBatch) -> pb.StepRequest | m.StepResult:
+        """The next step's request, or its result when no round trip is needed: an empty step needs
+        no answer, and an unregistered engine gets a miss (the number is used up either way, so
+        forward-done reports stay in step with the engine)."""
         self._step += 1
-        return batch.to_pb(self.engine_id, self._step) if self.engine_id else None
-
-    def _empty_step(self, batch: m.StepBatch) -> m.StepResult | None:
-        """An empty step needs no answer: it costs no round trip (the number is used up all the same,
-        so forward-done reports stay in step with the engine)."""
-        if not batch.empty:
-            return None
-        self._step += 1
-        return m.StepResult(self._step, degraded=not self.engine_id)
+        if batch.empty or not self.engine_id:
+            return m.StepResult(self._step, degraded=not self.engine_id)
+        return batch.to_pb(self.engine_id, self._step)
 
     def _unregister_request(self) -> pb.UnregisterEngineRequest | None:
         if self._reg is None or not self._reg.engine_id:
@@ -210,11 +207,9 @@ class DepotClient(_ClientCore):
 
     def step(self, batch: m.StepBatch) -> m.StepResult:
         """Sends one engine step. Step numbers are the client's own and strictly increase."""
-        if (skipped := self._empty_step(batch)) is not None:
-            return skipped
         req = self._step_request(batch)
-        if req is None:
-            return m.StepResult(self._step, degraded=True)
+        if isinstance(req, m.StepResult):
+            return req
         try:
             return m.step_result(self._stub.Step(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
@@ -442,11 +437,9 @@ class AsyncDepotClient(_ClientCore):
             return m.MISS
 
     async def step(self, batch: m.StepBatch) -> m.StepResult:
-        if (skipped := self._empty_step(batch)) is not None:
-            return skipped
         req = self._step_request(batch)
-        if req is None:
-            return m.StepResult(self._step, degraded=True)
+        if isinstance(req, m.StepResult):
+            return req
         try:
             return m.step_result(await self._stub.Step(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
