@@ -3,7 +3,7 @@ path); RPC latency and errors are observed per call. Names: kvdepot_<what>[_<uni
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -17,8 +17,9 @@ RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 
 
 class DepotCollector(Collector):
-    def __init__(self, depot: Depot) -> None:
+    def __init__(self, depot: Depot, mapped_bytes: Callable[[], int] = lambda: 0) -> None:
         self.depot = depot
+        self.mapped_bytes = mapped_bytes
 
     def collect(self) -> Iterator[Metric]:
         d = self.depot
@@ -44,14 +45,15 @@ class DepotCollector(Collector):
             gauges["storing"].add_metric(lv, reg.num_storing)
         yield from gauges.values()
         yield GaugeMetricFamily("kvdepot_host_tier_bytes", "configured host tier size", value=d.host_arena.total_bytes)
+        yield GaugeMetricFamily("kvdepot_mapped_engine_bytes", "engine KV memory the daemon has mapped", value=self.mapped_bytes())
 
 
 class Metrics:
-    def __init__(self, depot: Depot | None = None) -> None:
+    def __init__(self, depot: Depot | None = None, mapped_bytes: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
         self.rpc_seconds = Histogram(
             "kvdepot_rpc_duration_seconds", "time spent serving one RPC", ["method"], registry=self.registry, buckets=RPC_BUCKETS
         )
         self.rpc_errors = Counter("kvdepot_rpc_errors", "RPCs answered with an error status", ["method", "code"], registry=self.registry)
         if depot is not None:
-            self.registry.register(DepotCollector(depot))
+            self.registry.register(DepotCollector(depot, mapped_bytes))

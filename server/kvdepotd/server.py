@@ -89,11 +89,11 @@ class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
         self.depot = Depot(depot_config(cfg))
-        self.metrics = Metrics(self.depot)
         try:
             self.arena = HostArena(cfg.host_bytes)
         except ArenaError as e:
             raise StartupError(str(e)) from None
+        self.metrics = Metrics(self.depot, lambda: self.service.copy.mapped_bytes)
         self.service = DepotService(self.depot, self.metrics, self.arena)
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None

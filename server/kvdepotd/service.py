@@ -391,6 +391,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
             counters=d.all_counters(),
             host_bytes=d.host_arena.total_bytes,
             uptime_s=time.time() - self.started,
+            mapped_engine_bytes=self.copy.mapped_bytes,
+            mapped_ranks=len(self.copy.mappings),
         )
 
     @rpc

@@ -178,3 +178,29 @@ def test_bad_handles_are_refused(depot: DaemonProcess, tmp_path) -> None:  # typ
     c.close()
     for p in paths:
         os.unlink(p)
+
+
+def test_dead_engine_has_its_mappings_released() -> None:
+    with DaemonProcess(args=["--host-gib", "0.0625", "--slab-mib", "1", "--lease-ms", "400"]) as d:
+        lay = layout("vllm_cpu")
+        c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+        c.register_engine("dies", lay, lease_ms=400)
+        e = FakeEngine(c, layout=lay)
+        assert e.workers[0].attached.wait(5)
+        watcher = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+        s = watcher.stats()
+        assert s.mapped_ranks == 1 and s.mapped_engine_bytes > 0
+        e.add_request(list(range(64)), max_new_tokens=50)
+        e.step()
+        c._closed.set()  # the engine process "dies": no more heartbeats
+        for w in e.workers:
+            w.close()
+        import time
+
+        time.sleep(1.2)
+        s = watcher.stats()
+        assert (s.engines, s.slots, s.mapped_ranks, s.mapped_engine_bytes) == (0, 0, 0, 0)
+        assert all(p.pinned_blocks == 0 for p in s.pools)
+        watcher.close()
+        assert e.kv is not None
+        e.kv.close()

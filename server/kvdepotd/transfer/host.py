@@ -66,6 +66,10 @@ class HostCopyEngine(CopyEngine):
     def add_mapping(self, mapping: RankMapping) -> None:
         self.mappings[(mapping.engine_id, mapping.rank)] = mapping
 
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(m.mapped_bytes for m in self.mappings.values())
+
     def forget_engine(self, engine_id: str) -> None:
         """Unmaps the engine's tensors (running copies keep theirs alive until they end)."""
         self.layouts.pop(engine_id, None)
