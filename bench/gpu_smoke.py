@@ -53,8 +53,10 @@ def main() -> int:
         b.new("store", toks, list(range(nb + 1)), computed=0, scheduled=len(toks))
         res = c.step(b)
         [store] = [op for op in res.ops if op.kind == "store"]
+        done = torch.cuda.Event(interprocess=True)
+        done.record()  # the end of this step's "forward": the daemon's stream waits on it
         t0 = time.perf_counter()
-        w.forward_done(res.step)
+        w.forward_done(res.step, done)
         wait_op(store.op_id)
         d2h = nbytes / (time.perf_counter() - t0) / 1e9
         for t in kv:

@@ -310,10 +310,13 @@ class WorkerLink:
         self._kv_engine = engine_id
         return True
 
-    def forward_done(self, step: int) -> None:
+    def forward_done(self, step: int, cuda_event: Any = None) -> None:
+        """The forward of `step` is done (CPU), or will be once `cuda_event` (a torch.cuda.Event made
+        with interprocess=True and recorded after the forward) completes: never blocks."""
         self._last_forward = max(self._last_forward, step)
         if self.attached.is_set():
-            self._out.put(pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step)))
+            handle = bytes(cuda_event.ipc_handle()) if cuda_event is not None else b""
+            self._out.put(pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step, cuda_event=handle)))
 
     def poll(self) -> list[m.WorkerEvent]:
         with self._cond:

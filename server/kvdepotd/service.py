@@ -353,6 +353,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
                     return
                 which = msg.WhichOneof("msg")
                 if which == "forward_done":
+                    if msg.forward_done.cuda_event:
+                        self.copy.note_forward_event(engine_id, rank, msg.forward_done.step, msg.forward_done.cuda_event)
                     self.depot.forward_done(engine_id, rank, msg.forward_done.step)
                     self._touch_lease(engine_id)
                     self._pump()

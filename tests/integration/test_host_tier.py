@@ -204,3 +204,22 @@ def test_dead_engine_has_its_mappings_released() -> None:
         watcher.close()
         assert e.kv is not None
         e.kv.close()
+
+
+def test_cuda_event_on_a_cpu_engine_is_ignored(depot: DaemonProcess) -> None:
+    """GPU workers attach an end-of-forward CUDA event to ForwardDone; a CPU mapping has nothing to
+    wait for, so the daemon ignores it (and never needs CUDA to do so)."""
+
+    class NotAnEvent:
+        @staticmethod
+        def ipc_handle() -> bytes:
+            return b"\x01" * 64
+
+    e = engine(depot, "contiguous", model="event")
+    rid = e.add_request(list(range(40_000, 40_064)), max_new_tokens=1)
+    real_forward_done = e.workers[0].forward_done
+    e.workers[0].forward_done = lambda step, ev=None: real_forward_done(step, NotAnEvent())  # type: ignore[method-assign]
+    e.run_until_done()
+    assert e.done[rid].kv_mismatches == []
+    assert e.client.stats().counters["stored_blocks"] >= 4
+    close(e)

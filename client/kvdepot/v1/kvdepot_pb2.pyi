@@ -303,10 +303,12 @@ class WorkerMessage(_message.Message):
         rank: int
         def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
     class ForwardDone(_message.Message):
-        __slots__ = ("step",)
+        __slots__ = ("step", "cuda_event")
         STEP_FIELD_NUMBER: _ClassVar[int]
+        CUDA_EVENT_FIELD_NUMBER: _ClassVar[int]
         step: int
-        def __init__(self, step: _Optional[int] = ...) -> None: ...
+        cuda_event: bytes
+        def __init__(self, step: _Optional[int] = ..., cuda_event: _Optional[bytes] = ...) -> None: ...
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_DONE_FIELD_NUMBER: _ClassVar[int]
     attach: WorkerMessage.Attach

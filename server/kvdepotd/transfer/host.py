@@ -58,6 +58,7 @@ class HostCopyEngine(CopyEngine):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-copy")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, torch.cuda.Stream] = {}
+        self._events: dict[tuple[str, int], tuple[int, bytes]] = {}  # (engine, rank) -> last (step, CUDA event handle)
 
     # -- engines and their tensors --------------------------------------------------------------
     def add_engine(self, engine_id: str, layout: KvLayout) -> None:
@@ -75,6 +76,14 @@ class HostCopyEngine(CopyEngine):
         self.layouts.pop(engine_id, None)
         for key in [k for k in self.mappings if k[0] == engine_id]:
             del self.mappings[key]
+            self._events.pop(key, None)
+
+    def note_forward_event(self, engine_id: str, rank: int, step: int, handle: bytes) -> None:
+        """A GPU worker's end-of-forward event for `step`; stores of that step wait on it (CPU
+        mappings have nothing to wait for and ignore it)."""
+        m = self.mappings.get((engine_id, rank))
+        if m is not None and m.device != "cpu":
+            self._events[(engine_id, rank)] = (step, handle)
 
     # -- parts ------------------------------------------------------------------------------------
     def submit(self, parts: list[tuple[Op, int]]) -> None:
@@ -107,7 +116,7 @@ class HostCopyEngine(CopyEngine):
             loop.call_soon_threadsafe(self._chunk_done, part, fut)
 
         for chunk in chunks:
-            self._pool.submit(self._copy, op, layout, mapping, rank, chunk).add_done_callback(finished)
+            self._pool.submit(self._copy, op, layout, mapping, rank, chunk, self._forward_event(op, rank)).add_done_callback(finished)
 
     def _chunk_done(self, part: _Part, fut: Future[tuple[list[int], list[int], str]]) -> None:
         try:
@@ -123,8 +132,17 @@ class HostCopyEngine(CopyEngine):
             self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt)])
 
     # -- the copies (worker threads) ------------------------------------------------------------------
-    def _copy(self, op: Op, layout: KvLayout, m: RankMapping, rank: int, work: Work) -> tuple[list[int], list[int], str]:
+    def _forward_event(self, op: Op, rank: int) -> bytes | None:
+        """The handle of the event a GPU store must wait on: the one reported for its step or later."""
+        if op.kind is not OpKind.STORE:
+            return None
+        got = self._events.get((op.engine_id, rank))
+        return got[1] if got is not None and got[0] >= op.step else None
+
+    def _copy(self, op: Op, layout: KvLayout, m: RankMapping, rank: int, work: Work, event: bytes | None = None) -> tuple[list[int], list[int], str]:
         kind, pool = op.kind, op.registry.pool
+        if event is not None and m.device != "cpu":  # the forward may still be running on the GPU
+            self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), event))
         failed: list[int] = []
         corrupt: list[int] = []
         message = ""
@@ -170,9 +188,7 @@ class HostCopyEngine(CopyEngine):
 
     def _device_copy(self, m: RankMapping, bid: int, hoff: int, to_host: bool) -> None:
         """One block between a CUDA KV cache and the (pinned) host arena, on the rank's stream."""
-        stream = self._streams.get(m.device)
-        if stream is None:
-            stream = self._streams[m.device] = torch.cuda.Stream(device=m.device)
+        stream = self._stream(m)
         host = self.arena.tensor
         with torch.cuda.stream(stream):
             for r in m.runs:
@@ -180,6 +196,12 @@ class HostCopyEngine(CopyEngine):
                 h = host.narrow(0, hoff + r.host_offset, r.nbytes)
                 (h.copy_(dev, non_blocking=True) if to_host else dev.copy_(h, non_blocking=True))
         stream.synchronize()
+
+    def _stream(self, m: RankMapping) -> torch.cuda.Stream:
+        stream = self._streams.get(m.device)
+        if stream is None:
+            stream = self._streams[m.device] = torch.cuda.Stream(device=m.device)
+        return stream
 
     async def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=False)
