@@ -2,7 +2,7 @@
 
 from kvdepot.client import DEFAULT_ADDRESS, AsyncDepotClient, DepotClient, WorkerLink
 from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, Unavailable
-from kvdepot.hashing import BlockHash, ChainHasher, block_hashes, salt_hash
+from kvdepot.hashing import BlockHash, block_hashes, salt_hash
 from kvdepot.layout import KvLayout
 from kvdepot.messages import LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
 
@@ -10,7 +10,6 @@ __all__ = [
     "DEFAULT_ADDRESS",
     "AsyncDepotClient",
     "BlockHash",
-    "ChainHasher",
     "DepotClient",
     "DepotError",
     "FailedPrecondition",

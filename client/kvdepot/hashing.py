@@ -4,7 +4,6 @@ Primitives:
     salt_hash(cache_salt, lora_name) -> seed   per-request salt, Dynamo-compatible ("{}" when none)
     scope_seed(seed, *scopes) -> seed          fold daemon-side scopes (namespace, model) into a seed
     block_hashes(tokens_u32le, block_size, seed, start=0, prev=None) -> list[BlockHash]
-    ChainHasher                                incremental chain for a growing token sequence
 
 Chain (DESIGN.md): h0 = xxh3(tokens_0, seed); hi = xxh3(le_u64(h(i-1)) || le_u64(xxh3(tokens_i, seed)), seed),
 tokens as little-endian u32. Only full blocks have a hash.
@@ -16,6 +15,7 @@ import array
 import json
 import struct
 import sys
+from collections.abc import Sequence
 from typing import NewType, cast
 
 import xxhash
@@ -48,8 +48,8 @@ def scope_seed(seed: int, *scopes: str) -> int:
     return seed
 
 
-def tokens_to_bytes(tokens: "array.array[int] | list[int] | tuple[int, ...]") -> bytes:
-    """Little-endian u32 bytes of a token list (raises ValueError on a token outside u32)."""
+def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
+    """Little-endian u32 bytes of a token sequence (raises ValueError on a token outside u32)."""
     if isinstance(tokens, array.array) and tokens.typecode == "I" and sys.byteorder == "little":
         return tokens.tobytes()
     try:
@@ -93,29 +93,3 @@ def block_hashes(
         prev = _xxh3(pack(prev, bh), seed)
         append(prev)
     return cast(list[BlockHash], out)  # NewType calls cost a function call per block
-
-
-class ChainHasher:
-    """Incremental chain over a sequence that grows by appends (a request's prompt, then decode)."""
-
-    __slots__ = ("block_size", "seed", "_tokens", "hashes")
-
-    def __init__(self, block_size: int, seed: int) -> None:
-        self.block_size = block_size
-        self.seed = seed
-        self._tokens = bytearray()
-        self.hashes: list[BlockHash] = []
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._tokens) // TOKEN_BYTES
-
-    def extend(self, data: bytes | memoryview) -> None:
-        """Appends LE u32 tokens and hashes every block they complete."""
-        self._tokens += data
-        if len(self._tokens) >= (len(self.hashes) + 1) * self.block_size * TOKEN_BYTES:
-            prev = self.hashes[-1] if self.hashes else None
-            self.hashes += block_hashes(self._tokens, self.block_size, self.seed, start_block=len(self.hashes), prev=prev)
-
-    def token_bytes(self) -> bytes:
-        return bytes(self._tokens)

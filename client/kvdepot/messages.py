@@ -212,7 +212,7 @@ def lookup_pb(engine_id: str, request_id: str, tokens: Sequence[int], L: int, sa
     return pb.LookupRequest(
         engine_id=engine_id,
         request_id=request_id,
-        tokens_u32le=tokens_to_bytes(list(tokens) if not isinstance(tokens, list) else tokens),
+        tokens_u32le=tokens_to_bytes(tokens),
         device_matched_tokens=L,
         cache_salt=salt,
         lora_name=lora,

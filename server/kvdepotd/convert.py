@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import array
-import sys
 
+from kvdepot.hashing import tokens_to_bytes
 from kvdepot.layout import KvLayout
 from kvdepot.messages import KINDS_PB, layout_pb
 from kvdepot.v1 import kvdepot_pb2 as pb
@@ -39,13 +38,6 @@ def style_from_pb(value: int) -> UpdateStyle:
         raise InvalidRequest(f"unknown update_style {value}") from None
 
 
-def u32_bytes(values: object) -> bytes:
-    arr = array.array("I", values)  # type: ignore[call-overload]
-    if sys.byteorder != "little":  # pragma: no cover
-        arr.byteswap()
-    return arr.tobytes()
-
-
 def lookup_tokens(req: pb.LookupRequest) -> bytes:
     if req.tokens and req.tokens_u32le:
         raise InvalidRequest("set either tokens or tokens_u32le, not both")
@@ -53,7 +45,7 @@ def lookup_tokens(req: pb.LookupRequest) -> bytes:
         if len(req.tokens_u32le) % 4:
             raise InvalidRequest(f"tokens_u32le has {len(req.tokens_u32le)} bytes, not a multiple of 4")
         return req.tokens_u32le
-    return u32_bytes(req.tokens)
+    return tokens_to_bytes(req.tokens)
 
 
 def step_columns(req: pb.StepRequest) -> StepColumns:
@@ -82,7 +74,7 @@ def step_columns(req: pb.StepRequest) -> StepColumns:
         list(req.computed_tokens),
         list(req.scheduled_tokens),
         ntok,
-        u32_bytes(req.new_tokens),
+        tokens_to_bytes(req.new_tokens),
         nblk,
         list(req.new_block_ids),
         list(req.cache_salt),

@@ -242,9 +242,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
     @rpc
     async def RegisterKvCaches(self, request: pb.RegisterKvCachesRequest, context: grpc.aio.ServicerContext) -> pb.RegisterKvCachesResponse:
         engine_id = EngineId(request.engine_id)
-        eng = self.depot.engine(engine_id)
-        if request.rank >= eng.layout.world_size:
-            raise InvalidRequest(f"rank {request.rank} is outside the engine's world size {eng.layout.world_size}")
+        eng = self.depot.engine_rank(engine_id, request.rank)
         mapping = map_rank(engine_id, eng.layout, request)
         self.copy.add_mapping(mapping)
         self._touch_lease(engine_id)
@@ -334,14 +332,10 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if first.WhichOneof("msg") != "attach":
             return (EngineId(""), 0), (grpc.StatusCode.INVALID_ARGUMENT, "the first message on a worker stream must be attach")
         engine_id, rank = EngineId(first.attach.engine_id), first.attach.rank
-        eng = self.depot.engines.get(engine_id)
-        if eng is None:
-            return (engine_id, rank), (grpc.StatusCode.NOT_FOUND, f"engine {engine_id!r} is not registered")
-        if rank >= eng.layout.world_size:
-            return (engine_id, rank), (
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {rank} is outside the engine's world size {eng.layout.world_size}",
-            )
+        try:
+            self.depot.engine_rank(engine_id, rank)
+        except DepotError as e:
+            return (engine_id, rank), (status_of(e), str(e))
         return (engine_id, rank), None
 
     async def _read_worker(self, it: AsyncIterator[pb.WorkerMessage], key: tuple[EngineId, int], ch: WorkerChannel) -> None:

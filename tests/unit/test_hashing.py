@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from kvdepot.hashing import ChainHasher, block_hashes, salt_hash, scope_seed, tokens_to_bytes
+from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
 
 
 def test_dynamo_vector() -> None:
@@ -24,12 +24,16 @@ def test_salt_and_lora_change_every_hash() -> None:
 
 
 def test_incremental_chain_equals_one_shot() -> None:
+    """A slot hashes its blocks as tokens arrive; the chain is the same as hashing at once."""
+    from kvdepotd.core.slots import Slot
+
     toks = list(range(1000, 1100))
-    h = ChainHasher(16, 7)
+    slot = Slot("r", 7, 16)  # type: ignore[arg-type]
     for i in range(0, 100, 7):
-        h.extend(tokens_to_bytes(toks[i : i + 7]))
-    assert h.num_tokens == 100
-    assert h.hashes == block_hashes(tokens_to_bytes(toks), 16, 7)
+        slot.append_tokens(tokens_to_bytes(toks[i : i + 7]))
+    assert slot.num_tokens == 100
+    assert slot.hashes == block_hashes(tokens_to_bytes(toks), 16, 7)
+    assert len(slot.states) == len(slot.hashes) == 6
 
 
 def test_start_and_limit() -> None:

@@ -448,10 +448,15 @@ class Depot:
         self._slot_epoch[key] = self._slot_epoch.get(key, 0) + 1
 
     # -- workers and the copy engine ------------------------------------------------------------
-    def forward_done(self, engine_id: EngineId, rank: int, step: int) -> None:
+    def engine_rank(self, engine_id: EngineId, rank: int) -> Engine:
+        """The engine, after checking that `rank` is one of its workers."""
         eng = self.engine(engine_id)
         if not 0 <= rank < eng.layout.world_size:
             raise InvalidRequest(f"rank {rank} is outside the engine's world size {eng.layout.world_size}")
+        return eng
+
+    def forward_done(self, engine_id: EngineId, rank: int, step: int) -> None:
+        self.engine_rank(engine_id, rank)
         self._ready += self.ops.forward_done(engine_id, rank, step)
 
     def take_ready(self) -> list[tuple[Op, int]]:

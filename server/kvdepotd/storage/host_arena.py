@@ -9,7 +9,6 @@ beside it.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import time
@@ -71,11 +70,6 @@ class HostArena:
         self.pinned = int(err) == 0
         if not self.pinned:
             log.warning("cudaHostRegister of the host tier failed (%s): copies to GPUs will be slower", err)
-
-    def view(self, offset: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
-        """A zero-copy buffer over [offset, offset + nbytes) of the arena (for checksums)."""
-        assert 0 <= offset and offset + nbytes <= self.total_bytes
-        return (ctypes.c_char * nbytes).from_address(self.base + offset)
 
     def close(self) -> None:
         if self.pinned:
