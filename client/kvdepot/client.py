@@ -97,9 +97,9 @@ class _ClientCore:
     def last_step(self) -> int:
         return self._step
 
-    def _start_registration(self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int) -> None:
+    def _start_registration(self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int, key: str) -> None:
         layout.validate()
-        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms))
+        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key))
 
     def _registration_failed(self, e: grpc.RpcError, raise_errors: bool) -> bool:
         """False when the daemon did not answer (the keeper retries); raises a rejection when asked."""
@@ -149,12 +149,25 @@ class DepotClient(_ClientCore):
 
     # -- engine registration -------------------------------------------------------------------
     def register_engine(
-        self, model: str, layout: KvLayout, *, name: str = "", namespace: str = "", update_style: str = "vllm", lease_ms: int = 0
+        self,
+        model: str,
+        layout: KvLayout,
+        *,
+        name: str = "",
+        namespace: str = "",
+        update_style: str = "vllm",
+        lease_ms: int = 0,
+        engine_key: str = "",
+        wait: bool = True,
     ) -> str:
         """Registers the engine and starts the keeper. Returns the engine id, or "" when the daemon
-        did not answer (the keeper keeps trying; engine-path calls are misses until then)."""
-        self._start_registration(model, layout, name, namespace, update_style, lease_ms)
-        self._try_register(raise_errors=True)
+        did not answer (the keeper keeps trying; engine-path calls are misses until then).
+
+        Processes of one engine (a scheduler and its workers) pass the same `engine_key` and share
+        one engine id. `wait=False` leaves the first attempt to the keeper (start-up never blocks)."""
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key)
+        if wait:
+            self._try_register(raise_errors=True)
         if self._keeper is None:
             self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)
             self._keeper.start()
@@ -394,9 +407,17 @@ class AsyncDepotClient(_ClientCore):
         self._keeper: asyncio.Task[None] | None = None
 
     async def register_engine(
-        self, model: str, layout: KvLayout, *, name: str = "", namespace: str = "", update_style: str = "vllm", lease_ms: int = 0
+        self,
+        model: str,
+        layout: KvLayout,
+        *,
+        name: str = "",
+        namespace: str = "",
+        update_style: str = "vllm",
+        lease_ms: int = 0,
+        engine_key: str = "",
     ) -> str:
-        self._start_registration(model, layout, name, namespace, update_style, lease_ms)
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key)
         await self._try_register(raise_errors=True)
         if self._keeper is None:
             self._keeper = asyncio.get_running_loop().create_task(self._keep())

@@ -195,7 +195,7 @@ def layout_pb(layout: KvLayout) -> pb.KvLayout:
     )
 
 
-def register_pb(model: str, layout: KvLayout, name: str, namespace: str, style: str, lease_ms: int) -> pb.RegisterEngineRequest:
+def register_pb(model: str, layout: KvLayout, name: str, namespace: str, style: str, lease_ms: int, key: str = "") -> pb.RegisterEngineRequest:
     if style not in STYLES:
         raise ValueError(f"update_style must be one of {sorted(STYLES)}, got {style!r}")
     return pb.RegisterEngineRequest(
@@ -205,6 +205,7 @@ def register_pb(model: str, layout: KvLayout, name: str, namespace: str, style: 
         namespace=namespace,
         update_style=STYLES[style],
         lease_ms=lease_ms,
+        engine_key=key,
     )
 
 

@@ -203,9 +203,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.RegisterEngineResponse:
         if not request.HasField("layout"):
             raise InvalidRequest("layout is required")
-        engine_id = EngineId(f"eng-{uuid.uuid4().hex[:12]}")
-        eng = self.depot.register_engine(
-            engine_id,
+        eng, joined = self.depot.register_engine(
+            EngineId(f"eng-{uuid.uuid4().hex[:12]}"),
             name=request.engine_name,
             model=request.model,
             layout=convert.layout_from_pb(request.layout),
@@ -213,17 +212,23 @@ class DepotService(pb_grpc.BlockManagerServicer):
             style=convert.style_from_pb(request.update_style),
             lease_ms=request.lease_ms,
             now_ms=self.now_ms(),
+            key=request.engine_key,
         )
-        self.copy.add_engine(engine_id, eng.layout)
-        log.info(
-            "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s",
-            engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value,
-        )
+        engine_id = eng.engine_id
+        if joined:
+            log.info("engine %s joined by another process (name=%r key=%r)", engine_id, request.engine_name, request.engine_key)
+        else:
+            self.copy.add_engine(engine_id, eng.layout)
+            log.info(
+                "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s",
+                engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value,
+            )
         return pb.RegisterEngineResponse(
             engine_id=engine_id,
             lease_ms=eng.lease_ms,
             block_bytes=eng.layout.block_bytes,
             host_capacity_blocks=self.depot.capacity_blocks(engine_id),
+            joined=joined,
         )
 
     @rpc

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot import DepotClient, StepBatch
+from kvdepot.errors import FailedPrecondition
 from kvdepot.testing import DaemonProcess
 from tests.integration.conftest import LAYOUT
 
@@ -156,3 +157,23 @@ def test_host_tier_too_large_is_a_clear_startup_error() -> None:
     )
     assert out.returncode == 1
     assert "cannot start" in out.stderr and "--host-gib" in out.stderr and "/dev/shm" in out.stderr
+
+
+def test_processes_of_one_engine_join_by_key(daemon: DaemonProcess) -> None:
+    """A scheduler and its workers register with one engine_key and share one engine id; a
+    registration under that key that differs is refused; the key is free again after unregister."""
+    a = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
+    b = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
+    c = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
+    try:
+        first = a.register_engine("test-model", LAYOUT, name="sched", engine_key="vllm-key-1")
+        assert b.register_engine("test-model", LAYOUT, name="worker-0", engine_key="vllm-key-1") == first
+        with pytest.raises(FailedPrecondition, match="vllm-key-1"):
+            c.register_engine("other-model", LAYOUT, engine_key="vllm-key-1")
+        assert sum(e.engine_id == first for e in a.engines()) == 1
+        a.unregister()
+        again = c.register_engine("other-model", LAYOUT, engine_key="vllm-key-1")
+        assert again and again != first
+    finally:
+        for x in (a, b, c):
+            x.close()

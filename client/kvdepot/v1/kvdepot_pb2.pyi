@@ -64,32 +64,36 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ..., kind: _Optional[_Union[KvLayoutKind, str]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms")
+    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key")
     ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_STYLE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_KEY_FIELD_NUMBER: _ClassVar[int]
     engine_name: str
     model: str
     layout: KvLayout
     namespace: str
     update_style: UpdateStyle
     lease_ms: int
-    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    engine_key: str
+    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks")
+    __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks", "joined")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    JOINED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     lease_ms: int
     block_bytes: int
     host_capacity_blocks: int
-    def __init__(self, engine_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ...) -> None: ...
+    joined: bool
+    def __init__(self, engine_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., joined: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("engine_id",)

@@ -108,6 +108,7 @@ class Engine:
     lease_ms: int
     lease_expires_ms: int
     domain: Domain
+    key: str = ""
     slots: dict[RequestId, Slot] = field(default_factory=dict)
     pins: dict[RequestId, LookupPin] = field(default_factory=dict)
     last_step: int = -1
@@ -124,6 +125,7 @@ class Depot:
         self.host_arena = SlabArena(config.host_bytes, config.slab_bytes)
         self.domains: dict[str, Domain] = {}
         self.engines: dict[EngineId, Engine] = {}
+        self.by_key: dict[str, EngineId] = {}
         self.ops = OpTable()
         self.counters: Counter[str] = Counter()
         self._ready: list[tuple[Op, int]] = []
@@ -142,24 +144,39 @@ class Depot:
         style: UpdateStyle,
         lease_ms: int,
         now_ms: int,
-    ) -> Engine:
+        key: str = "",
+    ) -> tuple[Engine, bool]:
+        """A new engine under `engine_id`, or, when `key` names a live engine, that engine (joined:
+        its lease is renewed) and True."""
         try:
             layout.validate()
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         if not model:
             raise InvalidRequest("model must name the model (blocks are shared only within one model)")
-        for label, text in (("engine name", name), ("model", model), ("namespace", namespace)):
+        for label, text in (("engine name", name), ("model", model), ("namespace", namespace), ("engine key", key)):
             if len(text) > MAX_ID_LEN:
                 raise InvalidRequest(f"{label} is longer than {MAX_ID_LEN} characters")
         if lease_ms < 0 or lease_ms > MAX_LEASE_MS:
             raise InvalidRequest(f"lease_ms must be in [0, {MAX_LEASE_MS}], got {lease_ms}")
         lease = lease_ms or self.config.lease_ms
+        if key and (joined := self.by_key.get(key)) is not None:
+            eng = self.engines[joined]
+            theirs, ours = (eng.model, eng.layout, eng.namespace, eng.style), (model, layout, namespace, style)
+            if theirs != ours:
+                raise FailedPrecondition(
+                    f"engine key {key!r} belongs to engine {eng.engine_id} registered with model {eng.model!r}, "
+                    f"layout {eng.layout}, namespace {eng.namespace!r}, style {eng.style.value}: this registration differs"
+                )
+            eng.lease_expires_ms = max(eng.lease_expires_ms, now_ms + lease)
+            return eng, True
         domain = self._domain(layout)
-        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain)
+        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key)
         self.engines[engine_id] = eng
+        if key:
+            self.by_key[key] = engine_id
         self.counters["engines_registered"] += 1
-        return eng
+        return eng, False
 
     def heartbeat(self, engine_id: EngineId, now_ms: int) -> int:
         eng = self.engine(engine_id)
@@ -179,6 +196,8 @@ class Depot:
             self._release_slot(eng, rid)
         self.ops.forget_engine(engine_id)
         del self.engines[engine_id]
+        if eng.key:
+            del self.by_key[eng.key]
         self._events = [e for e in self._events if e.engine_id != engine_id]
         self.counters["engines_unregistered"] += 1
         return released
@@ -552,6 +571,7 @@ class Depot:
     def check_invariants(self) -> None:
         for d in self.domains.values():
             d.registry.check_invariants()
+        assert self.by_key == {e.key: i for i, e in self.engines.items() if e.key}, "engine keys out of step"
         pinned_by_lookups: Counter[BlockHash] = Counter()
         for eng in self.engines.values():
             for p in eng.pins.values():
