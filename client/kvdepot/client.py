@@ -208,12 +208,15 @@ class DepotClient(_ClientCore):
         cache_salt: str = "",
         lora_name: str = "",
         pin_ms: int = 0,
+        timeout_s: float | None = None,
     ) -> m.LookupResult:
+        """E: the tokens beyond the engine's own hit the daemon can load, pinned for the request;
+        a miss with degraded=True when the daemon does not answer within timeout_s (deadline_s)."""
         req = self._lookup_request(request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
         if req is None:
             return m.MISS
         try:
-            return m.lookup_result(self._stub.Lookup(req, timeout=self.deadline_s))
+            return m.lookup_result(self._stub.Lookup(req, timeout=timeout_s or self.deadline_s))
         except grpc.RpcError as e:
             _degraded(self, e, "lookup")
             return m.MISS
@@ -336,6 +339,13 @@ class WorkerLink:
             out = list(self._events)
             self._events.clear()
         return out
+
+    def wait_for_events(self, timeout_s: float) -> bool:
+        """Blocks until events are waiting (poll() takes them) or the timeout passes."""
+        with self._cond:
+            if not self._events:
+                self._cond.wait(timeout_s)
+            return bool(self._events)
 
     def wait(self, done: Callable[[list[m.WorkerEvent]], bool], timeout_s: float) -> list[m.WorkerEvent]:
         """Collects events until `done(collected)` or the timeout; returns what was collected."""

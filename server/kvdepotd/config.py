@@ -36,6 +36,8 @@ class DaemonConfig:
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
+    fault_load_delay_ms: int = 0
+    fault_corrupt_loads: int = 0
 
     @property
     def host_bytes(self) -> int:
@@ -55,6 +57,9 @@ HELP: dict[str, str] = {
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
+    "fault_load_delay_ms": "fault injection for tests: every load chunk waits this long before copying. Default 0",
+    "fault_corrupt_loads": "fault injection for tests: the next N blocks loaded have their host bytes flipped first "
+    "(the checksum must catch them). Default 0",
 }
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -111,6 +116,8 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),
+    "fault_load_delay_ms": _positive("fault_load_delay_ms", int, allow_zero=True),
+    "fault_corrupt_loads": _positive("fault_corrupt_loads", int, allow_zero=True),
 }
 
 

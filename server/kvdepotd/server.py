@@ -27,6 +27,7 @@ from kvdepotd.core.depot import Depot, DepotConfig
 from kvdepotd.metrics import Metrics
 from kvdepotd.service import DepotService, safe_parser
 from kvdepotd.storage.host_arena import ArenaError, HostArena
+from kvdepotd.transfer import Faults
 
 log = logging.getLogger("kvdepotd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -94,7 +95,10 @@ class Daemon:
         except ArenaError as e:
             raise StartupError(str(e)) from None
         self.metrics = Metrics(self.depot, lambda: self.service.copy.mapped_bytes)
-        self.service = DepotService(self.depot, self.metrics, self.arena)
+        faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads)
+        if faults.load_delay_ms or faults.corrupt_loads:
+            log.warning("fault injection on: loads wait %d ms; the next %d loaded blocks are corrupted", faults.load_delay_ms, faults.corrupt_loads)
+        self.service = DepotService(self.depot, self.metrics, self.arena, faults=faults)
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []

@@ -28,7 +28,7 @@ from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.errors import status_of
 from kvdepotd.metrics import Metrics
 from kvdepotd.storage.host_arena import HostArena
-from kvdepotd.transfer import HostCopyEngine, PartDone
+from kvdepotd.transfer import Faults, HostCopyEngine, PartDone
 from kvdepotd.transfer.mapping import map_rank
 
 log = logging.getLogger("kvdepotd")
@@ -100,10 +100,10 @@ class WorkerChannel:
 
 
 class DepotService(pb_grpc.BlockManagerServicer):
-    def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2) -> None:
+    def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None) -> None:
         self.depot = depot
         self.metrics = metrics
-        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads)
+        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults)
         self._pumping = False
         self.channels: dict[tuple[EngineId, int], WorkerChannel] = {}
         self.backlog: dict[tuple[EngineId, int], deque[pb.WorkerEvent]] = {}

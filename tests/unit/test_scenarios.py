@@ -257,6 +257,46 @@ def test_failed_load_is_recomputed_and_then_stored(style: UpdateStyle) -> None:
 
 
 @pytest.mark.parametrize("style", STYLES)
+def test_failed_load_cancels_stores_computed_over_it_until_the_rewind(style: UpdateStyle) -> None:
+    """Mixed case: blocks 2-4 load while the forward computes 5. Block 3 fails to load: what the
+    forward computed after it (block 5) read a wrong block 3, so it is never stored; once the
+    engine rewinds and recomputes, blocks 3 and up are decided again."""
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks[:80] + [9999] * 3, L=32)
+    assert sim.lookup("r", toks, L=32) == 48
+    plan = sim.step(sim.new("r", toks, L=32, E=48, S=20, table=D[:7]))
+    assert blocks_of(plan, STORE) == [5]
+    sim.run_copies(fail={3})
+    sim.forward_done()
+    [store] = sim.completed(STORE)[-1:]
+    assert store.request_id == "r" and not store.success
+    assert sim.resident(toks) == 0  # blocks 0-1 never stored; nothing new became resident
+    # The engine rewinds to block 3 and recomputes 48..99: block 5 is stored now, 3 is still resident.
+    plan = sim.step(sim.cached("r", C=48, S=52))
+    assert blocks_of(plan, STORE) == [5]
+    sim.forward_done()
+    assert sim.states("r")[3:6] == [BlockState.ALREADY_CACHED, BlockState.LOADED, BlockState.STORED]
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_forward_before_its_load_ended_is_never_stored(style: UpdateStyle) -> None:
+    """A worker that ran the forward before the step's load ended (it gave up waiting, or never
+    saw the op) reports forward-done: the store of that step is cancelled, not run."""
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks[:80] + [9999] * 3, L=32)
+    sim.lookup("r", toks, L=32)
+    plan = sim.step(sim.new("r", toks, L=32, E=48, S=20, table=D[:7]))
+    [store_op] = [op for op in plan.ops if op.kind is STORE]
+    sim.depot.forward_done(sim.engine, 0, sim.step_no)  # the load has not run yet
+    assert store_op.op_id not in sim.depot.ops.ops
+    sim.run_copies()  # the load lands late
+    plan = sim.step(sim.cached("r", C=32, S=68))  # the engine recomputes everything it did not trust
+    assert blocks_of(plan, STORE) == [5]
+
+
+@pytest.mark.parametrize("style", STYLES)
 def test_tp2_op_done_only_when_both_ranks_done(style: UpdateStyle) -> None:
     sim = Sim(style, world_size=2)
     sim.step(sim.new("r", prompt(32), S=32, table=D[:2]))

@@ -45,6 +45,7 @@ class FakeRequest:
     sent_end: int = 0  # computed + scheduled of the last update sent
     is_new: bool = True  # next update is a new one (first schedule or resume)
     epoch: int = 0  # client registration epoch when the daemon learned of it
+    lost: bool = False  # a step with its update went unanswered: the daemon's record is unknown
     preemptions: int = 0
     output: list[int] = field(default_factory=list)
     kv_mismatches: list[int] = field(default_factory=list)  # positions whose KV was wrong at finish
@@ -239,9 +240,12 @@ class FakeEngine:
         self.waiting.appendleft(r)
 
     def _add_update(self, batch: StepBatch, r: FakeRequest, S: int) -> None:
+        if r.lost and r.epoch == self.client.epoch:
+            r.is_new = False
+            return
         if r.is_new:
             if r.epoch != self.client.epoch:  # first contact, or the daemon restarted: send everything
-                r.epoch, r.sent_tokens = self.client.epoch, 0
+                r.epoch, r.sent_tokens, r.lost = self.client.epoch, 0, False
             toks = r.tokens[r.sent_tokens :]
             batch.new(r.rid, toks, r.table, computed=r.computed, scheduled=S, device_matched=r.L, loaded=r.E, cache_salt=r.cache_salt)
         elif r.epoch != self.client.epoch:
@@ -267,12 +271,13 @@ class FakeEngine:
             return None
         result = self.client.step(batch)
         if result.degraded:
-            # The daemon may not have seen these updates: each request starts over as new next time.
+            # The daemon may or may not have applied these updates: its record of them is unknown,
+            # so they get no more updates (resending tokens could double them there). They are
+            # still reported preempted and finished, so the daemon lets go of them.
             self.stats.degraded_steps += 1
             for r in self.running:
                 if r.rid in batch.request_ids:
-                    r.is_new, r.sent_tokens = True, 0
-                    r.epoch = -1
+                    r.lost = True
         for rid in batch.finished:
             blocks = self.held.pop(rid, [])
             if rid in result.delay_free:

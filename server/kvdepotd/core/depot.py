@@ -475,8 +475,22 @@ class Depot:
         return eng
 
     def forward_done(self, engine_id: EngineId, rank: int, step: int) -> None:
-        self.engine_rank(engine_id, rank)
-        self._ready += self.ops.forward_done(engine_id, rank, step)
+        """Stores of `step` and before may start on `rank`, except those of a request whose load of
+        the same or an earlier step had not ended when the forward ran: that forward read blocks
+        the load had not written, so what it computed after them is wrong and is never stored."""
+        eng = self.engine_rank(engine_id, rank)
+        for op, r in self.ops.forward_done(engine_id, rank, step):
+            slot = eng.slots.get(op.request_id)
+            if slot is not None and self._load_open(slot, op.step):
+                slot.taint = min(slot.taint, op.block_indices[0]) if slot.taint >= 0 else op.block_indices[0]
+                ended = self.ops.end(op, "its request's load had not ended when the forward ran")
+                if ended is not None:
+                    self._op_ended(ended)
+                continue
+            self._ready.append((op, r))
+
+    def _load_open(self, slot: Slot, step: int) -> bool:
+        return any((o := self.ops.ops.get(i)) is not None and o.kind is OpKind.LOAD and o.step <= step for i in slot.ops)
 
     def take_ready(self) -> list[tuple[Op, int]]:
         ready, self._ready = self._ready, []
@@ -515,6 +529,11 @@ class Depot:
                 self.counters["loaded_blocks" if ok else "load_failed_blocks"] += 1
                 if current and slot is not None and slot.states[i] is BlockState.LOADING:
                     slot.states[i] = BlockState.LOADED if ok else BlockState.LOAD_FAILED
+        if kind is OpKind.LOAD and op.failed and current and slot is not None and eng is not None:
+            # What the engine computes over the failed blocks is wrong until it rewinds (rule 6).
+            first = min(op.failed)
+            slot.taint = min(slot.taint, first) if slot.taint >= 0 else first
+            self._cancel_waiting_stores(eng, slot, "its request's load failed")
         if op.message == "deadline exceeded":
             self.counters["ops_expired"] += 1
         if eng is None:

@@ -140,6 +140,7 @@ class Slot:
     tokens: bytearray = field(default_factory=bytearray)  # LE u32, every token the engine sent
     hashes: list[BlockHash] = field(default_factory=list)  # one per full block (the hash chain)
     next_full: int = 0  # token bytes at which the next block is full (0: set on first append)
+    taint: int = -1  # first block whose load failed: from here the device KV is wrong until a rewind
 
     @property
     def num_tokens(self) -> int:
@@ -176,6 +177,7 @@ class Slot:
         self.device_matched, self.loaded = matched, loaded
         self.block_table = block_table
         self.computed = matched + loaded
+        self.taint = -1
         first_load, end_load = matched // bs, (matched + loaded) // bs
         for i, st in enumerate(self.states):
             if st in (BlockState.STORING, BlockState.STORED):
@@ -197,17 +199,22 @@ class Slot:
         self.device_matched = self.loaded = 0
 
     def rewind(self, computed: int) -> None:
-        """Rule 6: the engine's count went back (e.g. recompute after a failed load)."""
+        """Rule 6: the engine's count went back (e.g. recompute after a failed load): blocks from
+        there on are computed again, so what failed or was cancelled for them is undecided again."""
         first = computed // self.block_size
         for i in range(first, len(self.states)):
-            if self.states[i] is BlockState.LOAD_FAILED:
+            if self.states[i] in (BlockState.LOAD_FAILED, BlockState.STORE_FAILED):
                 self.states[i] = BlockState.PENDING
         self.scan_from = min(self.scan_from, first)
+        if 0 <= self.taint and first <= self.taint:
+            self.taint = -1
 
     def store_candidates(self, end_tokens: int) -> list[int]:
         """Rule 4: full blocks that the step's forward completes and that nobody decided yet."""
         end = min(end_tokens, self.num_tokens) // self.block_size
         end = min(end, len(self.block_table), len(self.states))
+        if self.taint >= 0:  # computed over a failed load: never stored; the rewind rescans them
+            end = min(end, self.taint)
         out = [i for i in range(self.scan_from, end) if self.states[i] is BlockState.PENDING]
         if end > self.scan_from:
             self.scan_from = end

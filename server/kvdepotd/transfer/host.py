@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,6 +41,22 @@ Work = list[tuple[int, int, SlotId]]  # (block index, engine block id, host slot
 
 
 @dataclass
+class Faults:
+    """Fault injection for tests (kvdepotd --fault-*): slow loads, corrupt host bytes."""
+
+    load_delay_ms: int = 0
+    corrupt_loads: int = 0  # blocks still to corrupt before they are checked
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def take_corruption(self) -> bool:
+        with self.lock:
+            if self.corrupt_loads <= 0:
+                return False
+            self.corrupt_loads -= 1
+            return True
+
+
+@dataclass
 class _Part:
     op: Op
     rank: int
@@ -49,9 +67,12 @@ class _Part:
 
 
 class HostCopyEngine(CopyEngine):
-    def __init__(self, on_done: Callable[[list[PartDone]], None], arena: HostArena, threads: int = 2, chunk_blocks: int = 8) -> None:
+    def __init__(
+        self, on_done: Callable[[list[PartDone]], None], arena: HostArena, threads: int = 2, chunk_blocks: int = 8, faults: Faults | None = None
+    ) -> None:
         super().__init__(on_done)
         self.arena = arena
+        self.faults = faults or Faults()
         self.layouts: dict[str, KvLayout] = {}
         self.mappings: dict[tuple[str, int], RankMapping] = {}
         self.chunk_blocks = chunk_blocks
@@ -151,6 +172,9 @@ class HostCopyEngine(CopyEngine):
         cls = layout.layout_class
         arena = self.arena
         on_gpu = m.device != "cpu"
+        faults = self.faults
+        if kind is OpKind.LOAD and faults.load_delay_ms:
+            time.sleep(faults.load_delay_ms / 1000)
         for i, bid, slot in work:
             if rank not in op.parts_left:  # the op ended (its deadline passed): touch no more engine blocks
                 break
@@ -171,6 +195,8 @@ class HostCopyEngine(CopyEngine):
                         _memmove(host + r.host_offset, r.address + bid * r.block_stride, r.nbytes)
                 arena.checksums[key] = _xxh3_at(arena.base + hoff, rank_bytes)
             else:
+                if faults.corrupt_loads and faults.take_corruption():
+                    ctypes.memset(arena.base + hoff, 0x5A, 64)
                 want = arena.checksums.get(key)
                 if want is None or _xxh3_at(arena.base + hoff, rank_bytes) != want:
                     corrupt.append(i)

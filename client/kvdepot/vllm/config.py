@@ -1,0 +1,74 @@
+"""The connector's settings: `kv_connector_extra_config` keys, checked once at start-up.
+
+    address             the daemon: HOST:PORT, unix:PATH or unix:///abs/path
+                        (default: $KVDEPOT_ADDRESS, else 127.0.0.1:50061)
+    namespace           tenant; blocks are shared only within one namespace (default "")
+    load_async          loads run while vLLM schedules other requests (WAITING_FOR_REMOTE_KVS)
+                        instead of before this step's forward (default false)
+    lookup_timeout_ms   how long the scheduler waits for a Lookup before calling it a miss (50)
+    step_timeout_ms     how long the scheduler waits for a Step before treating it as a miss (100)
+    release_timeout_s   how long blocks of a finished request wait for the daemon's release when the
+                        daemon stopped answering (35; longer than the daemon's op deadline)
+    keep_fail_policy    keep kv_load_failure_policy "fail" (default false: the connector sets
+                        "recompute", because a failed or late load of a cache must cost a hit, not
+                        fail the request)
+    engine_name         shown in ListEngines and the daemon's log (default "vllm")
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvdepot.client import DEFAULT_ADDRESS
+
+KEYS = ("address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    address: str = DEFAULT_ADDRESS
+    namespace: str = ""
+    load_async: bool = False
+    lookup_timeout_ms: int = 50
+    step_timeout_ms: int = 100
+    release_timeout_s: float = 35.0
+    keep_fail_policy: bool = False
+    engine_name: str = "vllm"
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Raises ValueError naming the key when a value is wrong or a key is unknown."""
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(KEYS))
+        if unknown:
+            raise ValueError(f"kvdepot: unknown kv_connector_extra_config keys {unknown}; known: {list(KEYS)}")
+        out: dict[str, Any] = {"address": os.environ.get("KVDEPOT_ADDRESS", DEFAULT_ADDRESS)}
+        for key, value in extra.items():
+            out[key] = _coerce(key, value)
+        cfg = ConnectorConfig(**out)
+        if not cfg.address:
+            raise ValueError("kvdepot: address must name the daemon (HOST:PORT, unix:PATH or unix:///abs/path)")
+        return cfg
+
+
+def _coerce(key: str, value: Any) -> Any:
+    want = type(getattr(ConnectorConfig, key))
+    if want is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+        raise ValueError(f"kvdepot: {key} must be true or false, got {value!r}")
+    if want in (int, float):
+        try:
+            num = want(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"kvdepot: {key} must be a number, got {value!r}") from None
+        if num <= 0:
+            raise ValueError(f"kvdepot: {key} must be positive, got {value!r}")
+        return num
+    if not isinstance(value, str):
+        raise ValueError(f"kvdepot: {key} must be a string, got {value!r}")
+    return value

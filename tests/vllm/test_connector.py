@@ -1,0 +1,94 @@
+"""KvDepotConnector on a real vLLM (CPU build, in-process engine) against a real kvdepotd.
+
+Every scenario compares greedy outputs with vLLM run without the connector (`expected`), and checks
+on the daemon's side that the right blocks moved: a run that is merely correct because nothing was
+loaded would pass the first check, not the second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from vllm import LLM
+
+from kvdepot import DepotClient
+from kvdepot.testing import DaemonProcess
+from tests.vllm.engine import BATCH, BLOCK, P, Q, connector_of, engine_args, generate, kv_config
+
+pytestmark = pytest.mark.vllm
+
+
+def counters(c: DepotClient) -> dict[str, int]:
+    return dict(c.stats().counters)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[DaemonProcess]:
+    d = DaemonProcess(args=["--host-gib", "0.5"]).start()
+    yield d
+    assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()
+
+
+@pytest.fixture(scope="module")
+def llm(daemon: DaemonProcess, model_dir: str) -> Iterator[LLM]:
+    engine = LLM(**engine_args(model_dir, kv_transfer_config=kv_config(daemon.unix)))
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture
+def admin(daemon: DaemonProcess, llm: LLM) -> Iterator[DepotClient]:
+    """The daemon's inspection client; every test starts with both caches empty."""
+    c = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
+    c.clear()
+    llm.reset_prefix_cache()
+    yield c
+    c.close()
+
+
+def test_cold_then_reset_is_served_by_the_daemon(llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:
+    before = counters(admin)
+    [(cold, cached)] = generate(llm, [P])
+    assert cold == expected["P"] and cached == 0
+    llm.reset_prefix_cache()
+    [(hit, cached)] = generate(llm, [P])
+    after = counters(admin)
+    assert hit == expected["P"]
+    assert cached == 96  # all three full blocks came from the daemon (vLLM had none left)
+    assert after["stored_blocks"] - before["stored_blocks"] == 3
+    assert after["loaded_blocks"] - before["loaded_blocks"] == 3
+    assert after["load_failed_blocks"] == before["load_failed_blocks"]
+
+
+def test_mixed_local_64_external_32_never_stores_the_local_blocks_again(llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:
+    """The seed's bug class on vLLM: vLLM holds blocks 0-1 itself (L=64), the daemon supplies
+    block 2 (E=32). The daemon must see L and E apart, and decide nothing about blocks 0-1."""
+    generate(llm, [P])  # the daemon holds P's blocks 0-2
+    llm.reset_prefix_cache()
+    assert generate(llm, [Q])[0][0] == expected["Q"]  # vLLM now holds blocks 0-1 (loaded from the daemon)
+    before = counters(admin)
+    [(out, cached)] = generate(llm, [P])
+    after = counters(admin)
+    assert out == expected["P"] and cached == 96
+    rid, L, E, C = connector_of(llm)._sched.admissions[-1]
+    assert (L, E, C) == (64, 32, 96), rid
+    assert after["loaded_blocks"] - before["loaded_blocks"] == 1
+    # Blocks 0-1 were vLLM's own: never a store candidate, not even one found "already cached".
+    assert after["store_blocks_already_cached"] == before["store_blocks_already_cached"]
+    assert after["store_blocks_planned"] == before["store_blocks_planned"]
+
+
+def test_batch_of_8_sharing_a_prefix(llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:
+    before = counters(admin)
+    outs = generate(llm, BATCH)
+    assert [o for o, _ in outs] == [expected[f"B{i}"] for i in range(8)]
+    shared = counters(admin)
+    # The 64-token prefix is stored once although 8 requests computed it; each tail block once.
+    assert shared["store_blocks_planned"] - before["store_blocks_planned"] == 2 + 8
+    llm.reset_prefix_cache()
+    outs = generate(llm, BATCH)
+    assert [o for o, _ in outs] == [expected[f"B{i}"] for i in range(8)]
+    assert all(cached == 3 * BLOCK for _, cached in outs)
+    assert counters(admin)["load_failed_blocks"] == shared["load_failed_blocks"]
