@@ -62,7 +62,7 @@ def _degraded(client: Any, e: grpc.RpcError, what: str) -> None:
     code = e.code()
     if client.strict:
         raise from_rpc_error(e) from None
-    if code is grpc.StatusCode.NOT_FOUND and client._reg is not None and "engine" in (e.details() or ""):
+    if code is grpc.StatusCode.NOT_FOUND and client._reg is not None and "is not registered" in (e.details() or ""):
         client._reg.engine_id = ""  # the daemon restarted or our lease expired: the keeper re-registers
     if code in MISSES or code is grpc.StatusCode.NOT_FOUND:
         log.debug("kvdepot %s degraded to a miss: %s", what, code.name)
@@ -231,6 +231,20 @@ class DepotClient(_ClientCore):
         except grpc.RpcError as e:
             _degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)
+
+    def ops_in_flight(self, request_id: str, timeout_s: float | None = None) -> int | None:
+        """How many ops of a request the daemon still runs; None when it does not answer in time
+        (or does not know the engine). 0 for a request it never saw or already released."""
+        if not self.engine_id:
+            return None
+        try:
+            r = self._stub.GetSlot(pb.GetSlotRequest(engine_id=self.engine_id, request_id=request_id), timeout=timeout_s or self.deadline_s)
+            return int(r.summary.ops_in_flight)
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.NOT_FOUND and "has no request" in (e.details() or ""):
+                return 0
+            _degraded(self, e, "ops_in_flight")
+            return None
 
     def worker(self, rank: int = 0) -> WorkerLink:
         """The worker side of rank `rank`: forward-done out, op completions in (one stream, kept open)."""

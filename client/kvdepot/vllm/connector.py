@@ -356,6 +356,10 @@ class _Scheduler:
                 st.table += nb[0]
             if st.epoch == epoch and st.announced:
                 self._cached(batch, st, C, S)
+        if not self.client.engine_id:  # not registered (yet): the daemon knows none of this
+            for rid in batch.request_ids:
+                self.reqs[rid].epoch = -1
+            batch = StepBatch()
         result = self.client.step(batch)
         meta.step = result.step
         self._take_result(batch, result, loads, meta)
@@ -435,6 +439,10 @@ class _Scheduler:
         self.to_finish.append(rid)
         for op_id in st.open_ops:
             self.op_owner.pop(op_id, None)
+        if st.open_ops and not st.lost:
+            # Completions reach the scheduler a step late (through the workers): ask the daemon.
+            if self.client.ops_in_flight(rid, self.cfg.lookup_timeout_ms / 1000) == 0:
+                return False
         if st.open_ops or st.lost:  # a store (or a late load) may still touch its blocks: free on release
             self.delayed.add(rid)
             return True
@@ -576,8 +584,9 @@ class _Worker:
                 else:
                     self.ready.add(rid)
         now = time.monotonic()
+        gone = bool(self.holding) and self._gone()  # a daemon that is gone touches no block
         for rid, give_up in list(self.holding.items()):
-            if rid in self.released or now > give_up:
+            if rid in self.released or now > give_up or gone:
                 del self.holding[rid]
                 self.released.discard(rid)
                 self.ready.add(rid)

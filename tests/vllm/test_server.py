@@ -1,0 +1,84 @@
+"""vLLM's OpenAI server with the connector, in vLLM's default multiprocess topology (API server,
+EngineCore with the scheduler connector, a worker process with the worker connector), configured
+only through --kv-transfer-config on the command line. Two completions of one prompt, the vLLM
+prefix cache reset between them: the second is served by the daemon with the same text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from kvdepot import DepotClient
+from kvdepot.testing import DaemonProcess
+from kvdepot.testing.daemon import free_port
+from tests.vllm.engine import BLOCK, P
+
+pytestmark = pytest.mark.vllm
+
+
+def post(url: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        text = r.read()
+    return json.loads(text) if text else None
+
+
+def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_path: Any) -> None:
+    with DaemonProcess(args=["--host-gib", "0.25"]) as d:
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # enables POST /reset_prefix_cache
+        kv = {"kv_connector": "KvDepotConnector", "kv_connector_module_path": "kvdepot.vllm", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"address": "unix://" + d.unix[len("unix:"):]}}
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
+            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--block-size", str(BLOCK),
+            "--max-num-seqs", "8", "--kv-transfer-config", json.dumps(kv),
+        ]
+        log = open(tmp_path / "server.log", "w+")
+        server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 180
+            while True:
+                assert server.poll() is None, open(tmp_path / "server.log").read()[-5000:]
+                try:
+                    with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                assert time.monotonic() < deadline, "server did not come up"
+                time.sleep(0.5)
+            body = {"model": model_dir, "prompt": P, "max_tokens": 8, "temperature": 0}
+            first = post(base + "/v1/completions", body)
+            post(base + "/reset_prefix_cache")
+            with DepotClient(d.tcp, strict=True) as c:
+                before = dict(c.stats().counters)
+                second = post(base + "/v1/completions", body)
+                after = dict(c.stats().counters)
+                engines = c.engines()
+            assert second["choices"][0]["text"] == first["choices"][0]["text"]
+            assert after["loaded_blocks"] - before["loaded_blocks"] == 3  # P's three full blocks
+            assert before["stored_blocks"] == 3
+            assert len(engines) == 1  # EngineCore and the worker joined one engine by its key
+        finally:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, 9)
+            log.seek(0)
+            text = log.read()
+            log.close()
+        # vLLM logs its own shutdown (EngineDeadError on terminate); nothing may come from kvdepot.
+        assert "kvdepot/" not in text and "Failed to reset prefix cache" not in text, text[-5000:]
+        assert not [ln for ln in text.splitlines() if "ERROR" in ln and "kvdepot" in ln], text[-5000:]
