@@ -4,9 +4,18 @@
                            "kv_role":"kv_both","kv_connector_extra_config":{"address":"unix:/run/kvdepot/kvdepotd.sock"}}'
 
 Install with `pip install 'kvdepot[vllm]'`. The extra config keys are documented in
-kvdepot.vllm.config (and the README).
+kvdepot.vllm.config (and the README). The connector is imported on first use, so kvdepot.vllm.config
+can be read without vLLM installed.
 """
 
-from kvdepot.vllm.connector import KvDepotConnector, KvDepotMetadata, KvDepotWorkerMetadata
+from typing import Any
 
 __all__ = ["KvDepotConnector", "KvDepotMetadata", "KvDepotWorkerMetadata"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from kvdepot.vllm import connector
+
+        return getattr(connector, name)
+    raise AttributeError(f"module 'kvdepot.vllm' has no attribute {name!r}")

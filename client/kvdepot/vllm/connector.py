@@ -274,13 +274,17 @@ class _Scheduler:
         if not self._usable(request):
             return 0, False
         assert self.client is not None
+        offerable = (request.num_tokens - 1) // self.bs * self.bs - L  # never past the last prompt token
+        if offerable <= 0 or L % self.bs:
+            self.guess[request.request_id] = (L, 0)
+            return 0, False  # vLLM has all it can use itself: no round trip
         tokens = list(request.all_token_ids)
         lora = request.lora_request.lora_name if request.lora_request else ""
         res = self.client.lookup(
             request.request_id, tokens, device_matched_tokens=L, cache_salt=request.cache_salt or "",
             lora_name=lora, timeout_s=self.cfg.lookup_timeout_ms / 1000,
         )
-        E = min(res.matched_tokens, max(0, (len(tokens) - 1) // self.bs * self.bs - L)) if L % self.bs == 0 else 0
+        E = min(res.matched_tokens, offerable)
         self.guess[request.request_id] = (L, E)
         return E, bool(E) and self.cfg.load_async
 

@@ -1,0 +1,45 @@
+"""The vLLM connector's kv_connector_extra_config: defaults, coercion, and errors that name the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepot.vllm.config import KEYS, ConnectorConfig
+
+
+def test_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVDEPOT_ADDRESS", raising=False)
+    cfg = ConnectorConfig.from_extra(None)
+    assert cfg.address == "127.0.0.1:50061" and not cfg.load_async and cfg.lookup_timeout_ms == 50
+    monkeypatch.setenv("KVDEPOT_ADDRESS", "unix:/run/kvdepot/kvdepotd.sock")
+    assert ConnectorConfig.from_extra({}).address == "unix:/run/kvdepot/kvdepotd.sock"
+    assert ConnectorConfig.from_extra({"address": "unix:///tmp/x.sock"}).address == "unix:///tmp/x.sock"
+
+
+def test_values_are_coerced_from_json_and_cli_strings() -> None:
+    cfg = ConnectorConfig.from_extra({"load_async": "true", "lookup_timeout_ms": "20", "release_timeout_s": 5, "namespace": "t1"})
+    assert cfg.load_async is True and cfg.lookup_timeout_ms == 20 and cfg.release_timeout_s == 5.0 and cfg.namespace == "t1"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"adress": "x"}, "unknown kv_connector_extra_config keys ['adress']"),
+        ({"load_async": "maybe"}, "load_async must be true or false"),
+        ({"lookup_timeout_ms": "soon"}, "lookup_timeout_ms must be a number"),
+        ({"step_timeout_ms": 0}, "step_timeout_ms must be positive"),
+        ({"namespace": 3}, "namespace must be a string"),
+        ({"address": ""}, "address must name the daemon"),
+    ],
+)
+def test_bad_values_name_the_key(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ConnectorConfig.from_extra(extra)
+
+
+def test_every_key_is_in_the_readme() -> None:
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    for key in KEYS:
+        assert f"| `{key}` |" in readme, key
