@@ -28,8 +28,11 @@ import tempfile
 import time
 from typing import Any
 
+# VLLM_CPU_OMP_THREADS_BIND=nobind: with vLLM's automatic binding, engines started one after the
+# other from one process did not compute at the same speed (the second twice as fast as the first on
+# the same prompt), which would credit or blame the connector for vLLM's thread placement.
 os.environ.update(
-    HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+    VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
     TOKENIZERS_PARALLELISM="false",
 )
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -76,7 +76,7 @@ class LoadJob:
 
 @dataclass
 class KvDepotMetadata(KVConnectorMetadata):
-    step: int = 0  # the client's step number: the workers report its forward done
+    step: int = 0  # the client's step number when stores wait on this step's forward (else 0)
     loads: list[LoadJob] = field(default_factory=list)
     finished: dict[str, bool] = field(default_factory=dict)  # delayed request -> the daemon still holds it
     preempted_ops: dict[str, list[int]] = field(default_factory=dict)  # ops that may still read freed blocks
@@ -271,8 +271,9 @@ class _Scheduler:
         return self.client is not None and not request.mm_features and getattr(request, "prompt_embeds", None) is None
 
     def matched(self, request: Request, L: int) -> tuple[int, bool]:
-        if not self._usable(request):
-            return 0, False
+        st = self.reqs.get(request.request_id)
+        if not self._usable(request) or (st is not None and st.lost and st.epoch == self.client.epoch):  # type: ignore[union-attr]
+            return 0, False  # a lost request gets no updates, so nothing could be loaded for it
         assert self.client is not None
         offerable = (request.num_tokens - 1) // self.bs * self.bs - L  # never past the last prompt token
         if offerable <= 0 or L % self.bs:
@@ -365,7 +366,9 @@ class _Scheduler:
                 self.reqs[rid].epoch = -1
             batch = StepBatch()
         result = self.client.step(batch)
-        meta.step = result.step
+        # Workers report the forward done only for steps with stores waiting on it: a decode step
+        # that completes no block sends nothing to the daemon at all.
+        meta.step = result.step if any(op.kind == "store" for op in result.ops) else 0
         self._take_result(batch, result, loads, meta)
         return meta
 
@@ -414,7 +417,7 @@ class _Scheduler:
                 self.delayed.discard(rid)
                 meta.finished[rid] = result.degraded or rid in result.delay_free
         by_req: dict[str, dict[int, tuple[int, ...]]] = collections.defaultdict(dict)
-        deadline = 0
+        deadline: dict[str, int] = {}
         for op in result.ops:
             st = self.reqs.get(op.request_id)
             if st is not None:
@@ -422,11 +425,11 @@ class _Scheduler:
                 self.op_owner[op.op_id] = op.request_id
             if op.kind == "load":
                 by_req[op.request_id][op.op_id] = op.block_ids
-                deadline = max(deadline, op.deadline_ms)
+                deadline[op.request_id] = max(deadline.get(op.request_id, 0), op.deadline_ms)
         for st in loads:
             first, end = st.L // self.bs, (st.L + st.E) // self.bs
             rid = st.request.request_id
-            meta.loads.append(LoadJob(rid, st.table[first:end], by_req.get(rid, {}), deadline, st.is_async))
+            meta.loads.append(LoadJob(rid, st.table[first:end], by_req.get(rid, {}), deadline.get(rid, 0), st.is_async))
 
     def completed(self, op_ids: set[int]) -> None:
         for op_id in op_ids:
