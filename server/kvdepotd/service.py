@@ -248,7 +248,9 @@ class DepotService(pb_grpc.BlockManagerServicer):
     async def RegisterKvCaches(self, request: pb.RegisterKvCachesRequest, context: grpc.aio.ServicerContext) -> pb.RegisterKvCachesResponse:
         engine_id = EngineId(request.engine_id)
         eng = self.depot.engine_rank(engine_id, request.rank)
-        mapping = map_rank(engine_id, eng.layout, request)
+        # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
+        mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, request)
+        self.depot.engine_rank(engine_id, request.rank)  # still registered after the wait
         self.copy.add_mapping(mapping)
         self._touch_lease(engine_id)
         log.info(
