@@ -158,16 +158,14 @@ class DepotClient(_ClientCore):
         update_style: str = "vllm",
         lease_ms: int = 0,
         engine_key: str = "",
-        wait: bool = True,
     ) -> str:
         """Registers the engine and starts the keeper. Returns the engine id, or "" when the daemon
         did not answer (the keeper keeps trying; engine-path calls are misses until then).
 
         Processes of one engine (a scheduler and its workers) pass the same `engine_key` and share
-        one engine id. `wait=False` leaves the first attempt to the keeper (start-up never blocks)."""
+        one engine id."""
         self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key)
-        if wait:
-            self._try_register(raise_errors=True)
+        self._try_register(raise_errors=True)
         if self._keeper is None:
             self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)
             self._keeper.start()

@@ -113,7 +113,7 @@ class KvDepotConnector(KVConnectorBase_V1):
                 tc.kv_load_failure_policy = "recompute"
             self._sched = _Scheduler(self.cfg, layout, model, key)
         else:
-            self._worker = _Worker(self.cfg, layout, model, key, vllm_config)
+            self._worker = _Worker(self.cfg, layout, model, key)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -466,7 +466,7 @@ class _Scheduler:
 
 # -- worker side ---------------------------------------------------------------------------------------
 class _Worker:
-    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str, vllm_config: VllmConfig) -> None:
+    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str) -> None:
         self.cfg = cfg
         self.layout = layout
         self.model = model
