@@ -7,6 +7,8 @@
     export_cuda_tensors(tensors) torch's CUDA IPC sharing fields, per storage
     remove_shm_files(paths)      unlinks what share_cpu_tensors created (also done at interpreter exit;
                                  the mappings stay valid, the files only serve a daemon that restarts)
+    remove_stale_files()         unlinks files of engine processes that died without exiting (done
+                                 by share_cpu_tensors)
 
 Both return a pb.RegisterKvCachesRequest without engine id and rank, ready for register_kv_caches.
 """
@@ -56,6 +58,7 @@ def _tensor_pb(name: str, t: torch.Tensor, storage: int) -> pb.KvTensor:
 
 def share_cpu_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = ()) -> tuple[pb.RegisterKvCachesRequest, list[str]]:
     """Moves CPU tensors onto /dev/shm files; returns the registration and the files' paths."""
+    remove_stale_files()
     storages, which = _group(tensors)
     moved: list[torch.UntypedStorage] = []
     paths: list[str] = []
@@ -100,6 +103,30 @@ def export_cuda_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names:
         )
     names = list(names) or [f"layer{i}" for i in range(len(tensors))]
     return pb.RegisterKvCachesRequest(num_blocks=num_blocks, storages=handles, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)])
+
+
+def remove_stale_files(shm_dir: str = SHM_DIR) -> list[str]:
+    """Removes this user's KV files left by engine processes that are gone (a worker killed with
+    SIGKILL never runs its exit handler; each file is GiBs of shared memory). Returns them."""
+    removed = []
+    for name in os.listdir(shm_dir):
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "kvdepot" or not name.endswith(".kv") or not parts[1].isdigit():
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+        except OSError:  # alive under another user (EPERM), or the file went away
+            continue
+    return removed
 
 
 def remove_shm_files(paths: Sequence[str]) -> None:
