@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from kvdepot.client import DepotClient, WorkerLink
 from kvdepot.hashing import block_hashes, salt_hash, tokens_to_bytes
 from kvdepot.layout import KvLayout
-from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult
+from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult, cached_update_needed
 from kvdepot.testing.kv import FakeKv
 
 
@@ -89,7 +89,7 @@ class FakeEngine:
         self.max_batched = max_batched_tokens
         self.use_depot = use_depot
         self.load_timeout_s = load_timeout_s
-        self.sparse = sparse  # send cached updates only when they matter (see _update_needed)
+        self.sparse = sparse  # send cached updates only when they matter (cached_update_needed)
         self.release_timeout_s = release_timeout_s  # longer than the daemon's op deadline
         self.held_until: dict[str, tuple[float, int]] = {}  # delay-freed request -> (give up at, epoch)
         self.kv: FakeKv | None = None
@@ -250,18 +250,11 @@ class FakeEngine:
             batch.new(r.rid, toks, r.table, computed=r.computed, scheduled=S, device_matched=r.L, loaded=r.E, cache_salt=r.cache_salt)
         elif r.epoch != self.client.epoch:
             return  # the daemon forgot it (restart): it simply gets no more stores
-        elif self.sparse and not self._update_needed(r, S):
+        elif self.sparse and not cached_update_needed(self.bs, len(r.table), r.sent_blocks, r.computed, S, r.sent_end):
             return  # nothing for the daemon to decide: the tokens ride along with the next update
         else:
             batch.cached(r.rid, r.tokens[r.sent_tokens :], r.table[r.sent_blocks :], computed=r.computed, scheduled=S)
         r.sent_tokens, r.sent_blocks, r.is_new, r.sent_end = r.n, len(r.table), False, r.computed + S
-
-    def _update_needed(self, r: FakeRequest, S: int) -> bool:
-        """A cached update matters only when blocks were appended, a block completes in this step's
-        forward, or the engine's count went back; a decode step that does none of these costs the
-        engine no round trip (DESIGN.md)."""
-        end = r.computed + S
-        return len(r.table) > r.sent_blocks or end // self.bs > r.sent_end // self.bs or r.computed < r.sent_end
 
     def _send(self, batch: StepBatch) -> StepResult | None:
         if not self.use_depot:

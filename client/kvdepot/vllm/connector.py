@@ -43,7 +43,7 @@ from kvdepot import handles
 from kvdepot.client import DepotClient, WorkerLink
 from kvdepot.errors import DepotError
 from kvdepot.layout import KvLayout
-from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult
+from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult, cached_update_needed
 from kvdepot.vllm.config import ConnectorConfig
 
 if TYPE_CHECKING:
@@ -391,12 +391,11 @@ class _Scheduler:
         log.debug("kvdepot: request %s admitted: L=%d E=%d computed=%d scheduled=%d", req.request_id, L, E, C, S)
 
     def _cached(self, batch: StepBatch, st: _Req, C: int, S: int, force: bool = False) -> None:
-        """Sparse: only when blocks were appended, a block completes in this step's forward, or
-        vLLM's count went back; a plain decode step costs the engine no round trip."""
+        """Sparse (cached_update_needed): a plain decode step costs the engine no round trip."""
         end = C + S
         if st.lost:
             return
-        if not (force or len(st.table) > st.sent_blocks or end // self.bs > st.sent_end // self.bs or C < st.sent_end):
+        if not (force or cached_update_needed(self.bs, len(st.table), st.sent_blocks, C, S, st.sent_end)):
             return
         req = st.request
         upto = min(len(req.all_token_ids), end)
