@@ -11,6 +11,14 @@ Primitives (called by the service on the event loop, one at a time; `now_ms` is 
     take_events() -> [OpCompleted | RequestReleased]      what the workers must be told
     clear(), stats(), slot_blocks(), block_info()          admin and inspection
 
+The disk tier (G3, when config.disk_bytes > 0) is a second registry per layout class. Lookups
+mix tiers (host preferred); a load of a block only on disk first stages it into a fresh host
+slot (a READ disk job; the load op is held until it ends). Host blocks reach the disk through a
+queue of admitted blocks (seen `disk_admit_after` times within the window), written by WRITE disk
+jobs: at once (write-through) or once the host pool is past its watermark (write-back), so that
+host eviction finds them already on disk. take_disk_jobs / disk_job_done are the storage's side;
+take_disk_drops lists disk slots whose entry is gone (the storage journals their removal).
+
 Two-phase everywhere: a store allocates and marks the block STORING (never evicted, never
 allocated twice) and complete_part makes it RESIDENT or drops it; a lookup pins, the load op takes
 the pins over, and its completion unpins. Every op ends exactly once (ops.py).
@@ -18,7 +26,9 @@ the pins over, and its completion unpins. Every op ends exactly once (ops.py).
 
 from __future__ import annotations
 
+import enum
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvdepot.hashing import BlockHash, block_hashes, salt_hash, scope_seed
@@ -39,7 +49,19 @@ COUNTERS = (
     "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "stored_blocks", "store_failed_blocks",
     "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
     "ops_expired", "cleared_blocks", "evictions",
+    "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
+    "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
+    "disk_full", "disk_evictions",
 )
+DISK_HEADER_BYTES = 4096  # one header per block on disk, before its data
+DISK_ALIGN = 4096  # O_DIRECT alignment of every offset and length on disk
+DISK_POLICIES = ("write-back", "write-through")
+SEEN_CAP = 1 << 18  # hashes the admission window remembers per layout class
+
+
+def disk_record_bytes(block_bytes: int) -> int:
+    """Bytes one block takes on disk: its header, then its data padded to the alignment."""
+    return DISK_HEADER_BYTES + -(-block_bytes // DISK_ALIGN) * DISK_ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,27 +75,63 @@ class DepotConfig:
     max_tokens: int = 1 << 21
     step_cache: int = 16
     eviction_policy: str = "leaf-lru"
+    disk_bytes: int = 0
+    disk_slab_bytes: int = 256 << 20
+    disk_policy: str = "write-back"
+    disk_admit_after: int = 2
+    disk_admit_window_ms: int = 600_000
+    disk_watermark: float = 0.8  # write-back: host pool fraction past which admitted blocks are written
+    disk_job_blocks: int = 32
+    disk_jobs_in_flight: int = 4  # write jobs per layout class
 
 
 @dataclass(slots=True)
 class Domain:
-    """One layout class in the host tier: its pool and registry, shared by engines of that class."""
+    """One layout class: its host pool and registry (and disk ones), shared by engines of that class."""
 
     layout_class: str
     block_bytes: int
+    world_size: int
     registry: BlockRegistry
+    disk: BlockRegistry | None = None
+    demote: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)  # admitted host blocks not on disk yet
+    seen: OrderedDict[BlockHash, list[int]] = field(default_factory=OrderedDict)  # hash -> [sightings, window start ms]
+    writes_in_flight: int = 0
+
+
+class DiskJobKind(enum.Enum):
+    WRITE = "WRITE"  # host slot -> disk slot
+    READ = "READ"  # disk slot -> host slot (staging for a load)
+
+
+@dataclass(slots=True)
+class DiskItem:
+    hash: BlockHash
+    parent: BlockHash | None
+    host_slot: SlotId
+    disk_slot: SlotId
+
+
+@dataclass(slots=True)
+class DiskJob:
+    job_id: int
+    kind: DiskJobKind
+    domain: Domain
+    items: list[DiskItem]
 
 
 @dataclass(slots=True)
 class LookupPin:
     hashes: list[BlockHash]
     deadline_ms: int
+    on_disk: list[bool]  # per hash: pinned in the disk tier (else the host tier)
 
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     matched_tokens: int
     host_tokens: int
+    disk_tokens: int
     pin_deadline_ms: int
     total_blocks: int
 
@@ -122,7 +180,16 @@ class Depot:
     def __init__(self, config: DepotConfig) -> None:
         self.config = config
         make_eviction_policy(config.eviction_policy)  # fail early on an unknown name
+        if config.disk_policy not in DISK_POLICIES:
+            raise ValueError(f"unknown disk policy {config.disk_policy!r}; known: {', '.join(DISK_POLICIES)}")
         self.host_arena = SlabArena(config.host_bytes, config.slab_bytes)
+        self.disk_arena = SlabArena(config.disk_bytes, config.disk_slab_bytes)
+        self.disk_jobs: dict[int, DiskJob] = {}
+        self._disk_ready: list[DiskJob] = []
+        self._next_job = 1
+        self._now_ms = 0
+        self._flush = False
+        self._staging: dict[BlockHash, list[tuple[Op, int]]] = {}  # block being read from disk -> (load, position) waiting
         self.domains: dict[str, Domain] = {}
         self.engines: dict[EngineId, Engine] = {}
         self.by_key: dict[str, EngineId] = {}
@@ -231,40 +298,71 @@ class Depot:
         if pin_ms < 0 or pin_ms > self.config.max_pin_ms:
             raise InvalidRequest(f"pin_ms must be in [0, {self.config.max_pin_ms}], got {pin_ms}")
         self.counters["lookups"] += 1
+        self._now_ms = now_ms
         self._release_pin(eng, request_id)  # a repeated lookup replaces the earlier answer
         first = L // bs
         # The last prompt token is always recomputed (the engine needs its logits), so never offer it.
         offerable = max(0, (n - 1) // bs - first) if n else 0
         hit: list[BlockHash] = []
+        on_disk: list[bool] = []
         if L % bs == 0 and offerable:
-            hit = self._match(eng, tokens, eng.seed(cache_salt, lora_name), first, offerable)
+            hit, on_disk = self._match(eng, tokens, eng.seed(cache_salt, lora_name), first, offerable)
         deadline = now_ms + (pin_ms or self.config.pin_ms)
         if hit:
-            eng.pins[request_id] = LookupPin(hit, deadline)
+            eng.pins[request_id] = LookupPin(hit, deadline, on_disk)
         matched = len(hit) * bs
+        disk = sum(on_disk) * bs
         self.counters["lookup_hit_tokens"] += matched
-        return LookupResult(matched, matched, deadline if hit else 0, n // bs)
+        self.counters["lookup_disk_hit_tokens"] += disk
+        return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs)
 
-    def _match(self, eng: Engine, tokens: bytes, seed: int, first: int, limit: int) -> list[BlockHash]:
-        """Resident blocks from `first` on, stopping at the first miss, pinned; hashes in growing
-        chunks so a miss early in a long prompt costs little."""
-        reg = eng.domain.registry
+    def _match(self, eng: Engine, tokens: bytes, seed: int, first: int, limit: int) -> tuple[list[BlockHash], list[bool]]:
+        """Resident blocks from `first` on, stopping at the first block no tier holds, pinned in
+        the tier they are taken from (host first); hashes in growing chunks so a miss early in a
+        long prompt costs little."""
+        dom = eng.domain
         bs = eng.layout.block_size
         prefix = block_hashes(tokens, bs, seed, limit=first) if first else []
         prev = prefix[-1] if prefix else None
         out: list[BlockHash] = []
+        on_disk: list[bool] = []
         chunk = 32
         while len(out) < limit:
             hs = block_hashes(tokens, bs, seed, start_block=first + len(out), prev=prev, limit=min(chunk, limit - len(out)))
             if not hs:
                 break
-            n = reg.match_and_pin(hs)
+            n = self._match_tiers(dom, hs, on_disk)
             out += hs[:n]
             if n < len(hs):
                 break
             prev = hs[-1]
             chunk *= 4
-        return out
+        return out, on_disk
+
+    @staticmethod
+    def _match_tiers(dom: Domain, hs: list[BlockHash], on_disk: list[bool]) -> int:
+        """Pins the leading blocks of `hs` some tier holds; runs of host blocks go in one pass."""
+        host, disk = dom.registry, dom.disk
+        i = 0
+        while i < len(hs):
+            n = host.match_and_pin(hs[i:] if i else hs)
+            on_disk += [False] * n
+            i += n
+            if disk is None:
+                break
+            start = i
+            while i < len(hs):
+                h = hs[i]
+                e = disk.state_of(h)
+                if e is None or e.status is not BlockStatus.RESIDENT or e.doomed or host.lookup([h]):
+                    break
+                disk.pin(h)
+                e.hits += 1
+                on_disk.append(True)
+                i += 1
+            if i == start:
+                break
+        return i
 
     # -- step ----------------------------------------------------------------------------------
     def step(
@@ -277,6 +375,7 @@ class Depot:
         now_ms: int,
     ) -> StepPlan:
         eng = self.engine(engine_id)
+        self._now_ms = now_ms
         if (cached := eng.responses.get(step)) is not None:
             self.counters["steps_repeated"] += 1
             return cached  # rule 5: a repeated step is answered the same and changes nothing
@@ -351,25 +450,54 @@ class Depot:
     def _plan_load(self, eng: Engine, slot: Slot, targets: range, step: int, now_ms: int, plan: StepPlan) -> None:
         """Rule 2: load targets are in flight from the daemon. The op takes its own pins (blocks
         the lookup pinned are still resident); a target no tier holds fails at once (recompute)."""
-        reg = eng.domain.registry
+        dom = eng.domain
+        reg, disk = dom.registry, dom.disk
         idx = list(targets)
         hashes = [slot.hashes[i] for i in idx]
         tier_slots: list[SlotId | None] = []
         failed: set[int] = set()
-        for i, h in zip(idx, hashes):
+        staged: list[DiskItem] = []
+        waits: list[tuple[BlockHash, int]] = []  # (hash, position) of blocks staging for this load
+        for pos, (i, h) in enumerate(zip(idx, hashes)):
+            self._sighting(dom, h)
             e = reg.state_of(h)
             if e is not None and e.status is BlockStatus.RESIDENT and not e.doomed:
                 reg.pin(h)
                 tier_slots.append(e.slot)
-            else:
-                tier_slots.append(None)
-                failed.add(i)
+                self._consider(dom, h)
+                continue
+            if e is not None and h in self._staging:  # another load is staging it: wait for the same read
+                tier_slots.append(e.slot)
+                waits.append((h, pos))
+                continue
+            d = disk.state_of(h) if disk is not None and e is None else None
+            if d is not None and d.status is BlockStatus.RESIDENT and not d.doomed:
+                parent = slot.hashes[i - 1] if i else None
+                hslot = reg.prepare_store(h, parent)  # staged through the host tier
+                if hslot is not None:
+                    disk.pin(h)  # type: ignore[union-attr]
+                    tier_slots.append(hslot)
+                    staged.append(DiskItem(h, parent, hslot, d.slot))
+                    self._staging[h] = []
+                    waits.append((h, pos))
+                    continue
+            tier_slots.append(None)
+            failed.add(i)
         self._release_pin(eng, slot.request_id)
         reg.touch(hashes)
+        if disk is not None:
+            disk.touch([it.hash for it in staged])
         op = self._new_op(eng, slot, OpKind.LOAD, idx, hashes, tier_slots, step, now_ms)
         op.failed = failed
         if failed:
             op.message = "blocks not resident in any tier"
+        if waits:
+            op.staging = {idx[pos] for _, pos in waits}
+            op.held = True
+            for h, pos in waits:
+                self._staging[h].append((op, pos))
+        if staged:
+            self._disk_job(DiskJobKind.READ, dom, staged)
         self.counters["load_blocks_planned"] += len(idx)
         self._add_op(eng, slot, op, plan)
 
@@ -377,14 +505,20 @@ class Depot:
         """Rule 3: check the registry before allocating; resident or in-flight hashes are skipped."""
         if not candidates:
             return
-        reg = eng.domain.registry
+        dom = eng.domain
+        reg, disk = dom.registry, dom.disk
         idx: list[int] = []
         tier_slots: list[SlotId | None] = []
         for i in candidates:
             h = slot.hashes[i]
-            if reg.state_of(h) is not None:
+            if disk is not None:
+                self._sighting(dom, h)
+            if reg.state_of(h) is not None or (disk is not None and disk.state_of(h) is not None):
                 slot.states[i] = BlockState.ALREADY_CACHED
                 reg.touch([h])
+                if disk is not None:
+                    disk.touch([h])
+                    self._consider(dom, h)
                 self.counters["store_blocks_already_cached"] += 1
                 continue
             tslot = reg.prepare_store(h, slot.hashes[i - 1] if i else None)
@@ -517,11 +651,13 @@ class Depot:
             if kind is OpKind.STORE:
                 reg.complete_store(h, ok)
                 self.counters["stored_blocks" if ok else "store_failed_blocks"] += 1
+                if ok and eng is not None and eng.domain.disk is not None:
+                    self._consider(eng.domain, h, stored=True)
                 if slot is not None and slot.states[i] is BlockState.STORING:
                     slot.states[i] = BlockState.STORED if ok else BlockState.STORE_FAILED
                     slot.stored_blocks += ok
             else:
-                if s is not None:
+                if s is not None and i not in op.staging:  # a block still staging is pinned once it arrives
                     reg.unpin(h)
                 if i in op.corrupt:
                     reg.discard(h)
@@ -551,6 +687,7 @@ class Depot:
 
     # -- time ------------------------------------------------------------------------------------
     def expire(self, now_ms: int) -> None:
+        self._now_ms = now_ms
         for op in self.ops.expired(now_ms):
             ended = self.ops.end(op, "deadline exceeded")
             if ended is not None:
@@ -564,12 +701,13 @@ class Depot:
                 self.unregister_engine(eng.engine_id, "engine lease expired")
 
     # -- admin and inspection --------------------------------------------------------------------
-    def clear(self) -> tuple[int, int]:
+    def clear(self, host: bool = True, disk: bool = True) -> tuple[int, int]:
         dropped = kept = 0
         for d in self.domains.values():
-            a, b = d.registry.clear()
-            dropped += a
-            kept += b
+            for reg in ([d.registry] if host else []) + ([d.disk] if disk and d.disk is not None else []):
+                a, b = reg.clear()
+                dropped += a
+                kept += b
         self.counters["cleared_blocks"] += dropped
         return dropped, kept
 
@@ -579,32 +717,45 @@ class Depot:
             raise NotFound(f"engine {engine_id} has no request {request_id}")
         return slot
 
-    def block_info(self, engine_id: EngineId, h: BlockHash) -> BlockEntry | None:
-        return self.engine(engine_id).domain.registry.state_of(h)
+    def block_info(self, engine_id: EngineId, h: BlockHash) -> tuple[BlockEntry | None, BlockEntry | None]:
+        """The block's host entry and disk entry."""
+        dom = self.engine(engine_id).domain
+        return dom.registry.state_of(h), dom.disk.state_of(h) if dom.disk is not None else None
 
     def all_counters(self) -> dict[str, int]:
         out = {name: self.counters.get(name, 0) for name in COUNTERS}
         out["evictions"] = sum(d.registry.evictions for d in self.domains.values())
+        out["disk_evictions"] = sum(d.disk.evictions for d in self.domains.values() if d.disk is not None)
         return out
 
     def check_invariants(self) -> None:
         for d in self.domains.values():
             d.registry.check_invariants()
+            if d.disk is not None:
+                d.disk.check_invariants()
         assert self.by_key == {e.key: i for i, e in self.engines.items() if e.key}, "engine keys out of step"
-        pinned_by_lookups: Counter[BlockHash] = Counter()
+        host_pins: Counter[BlockHash] = Counter()
+        disk_pins: Counter[BlockHash] = Counter()
         for eng in self.engines.values():
             for p in eng.pins.values():
-                pinned_by_lookups.update(p.hashes)
+                for h, on_disk in zip(p.hashes, p.on_disk):
+                    (disk_pins if on_disk else host_pins)[h] += 1
             for slot in eng.slots.values():
                 for op_id in slot.ops:
                     assert op_id in self.ops.ops, f"slot {slot.request_id} holds ended op {op_id}"
         for op in self.ops.ops.values():
             if op.kind is OpKind.LOAD:
-                pinned_by_lookups.update(h for h, s in zip(op.hashes, op.tier_slots) if s is not None)
+                host_pins.update(h for i, h, s in zip(op.block_indices, op.hashes, op.tier_slots) if s is not None and i not in op.staging)
+        for job in self.disk_jobs.values():
+            (host_pins if job.kind is DiskJobKind.WRITE else disk_pins).update(it.hash for it in job.items)
         pins: Counter[BlockHash] = Counter()
+        dpins: Counter[BlockHash] = Counter()
         for d in self.domains.values():
             pins.update({h: e.pins for h, e in d.registry.entries.items() if e.pins})
-        assert pins == pinned_by_lookups, "a pin leaked or went missing"
+            if d.disk is not None:
+                dpins.update({h: e.pins for h, e in d.disk.entries.items() if e.pins})
+        assert pins == host_pins, "a host pin leaked or went missing"
+        assert dpins == disk_pins, "a disk pin leaked or went missing"
 
     # -- internals -------------------------------------------------------------------------------
     def engine(self, engine_id: EngineId) -> Engine:
@@ -614,19 +765,172 @@ class Depot:
         return eng
 
     def _domain(self, layout: KvLayout) -> Domain:
-        key = layout.layout_class
-        d = self.domains.get(key)
+        return self.domain_for(layout.layout_class, layout.block_bytes, layout.world_size)
+
+    def domain_for(self, layout_class: str, block_bytes: int, world_size: int) -> Domain:
+        d = self.domains.get(layout_class)
         if d is None:
-            pool = BlockPool(key, layout.block_bytes, self.host_arena)
-            d = Domain(key, layout.block_bytes, BlockRegistry(pool, make_eviction_policy(self.config.eviction_policy)))
-            self.domains[key] = d
+            policy = self.config.eviction_policy
+            pool = BlockPool(layout_class, block_bytes, self.host_arena)
+            d = Domain(layout_class, block_bytes, world_size, BlockRegistry(pool, make_eviction_policy(policy)))
+            if self.config.disk_bytes:
+                dpool = BlockPool(layout_class, disk_record_bytes(block_bytes), self.disk_arena)
+                d.disk = BlockRegistry(dpool, make_eviction_policy(policy), track_drops=True)
+            self.domains[layout_class] = d
+        elif d.block_bytes != block_bytes:
+            raise FailedPrecondition(f"layout class {layout_class} has {d.block_bytes}-byte blocks, not {block_bytes}")
         return d
 
     def _release_pin(self, eng: Engine, rid: RequestId) -> None:
         pin = eng.pins.pop(rid, None)
         if pin is not None:
-            for h in pin.hashes:
-                eng.domain.registry.unpin(h)
+            dom = eng.domain
+            for h, d in zip(pin.hashes, pin.on_disk):
+                (dom.disk if d else dom.registry).unpin(h)  # type: ignore[union-attr]
+
+    # -- the disk tier ---------------------------------------------------------------------------------
+    def restore_disk(self, layout_class: str, block_bytes: int, world_size: int, blocks: Sequence[tuple[int, int | None, int]]) -> bool:
+        """Blocks (hash, parent, disk slot) a persistent disk tier still holds at start-up (all or none)."""
+        dom = self.domain_for(layout_class, block_bytes, world_size)
+        assert dom.disk is not None, "restore_disk without a disk tier"
+        return dom.disk.restore([(BlockHash(h), None if p is None else BlockHash(p), SlotId(s)) for h, p, s in blocks])
+
+    def take_disk_jobs(self, now_ms: int, flush: bool = False) -> list[DiskJob]:
+        """Disk jobs the storage should run now: staging reads planned by loads, and writes of
+        admitted host blocks the policy lets go now (all of them when `flush`: a clean shutdown)."""
+        self._now_ms = now_ms
+        self._flush = flush
+        for dom in self.domains.values():
+            if dom.disk is not None and dom.demote:
+                self._dispatch_writes(dom)
+        ready, self._disk_ready = self._disk_ready, []
+        return ready
+
+    def take_disk_drops(self) -> list[tuple[str, BlockHash, SlotId]]:
+        out: list[tuple[str, BlockHash, SlotId]] = []
+        for dom in self.domains.values():
+            if dom.disk is not None and dom.disk.drops:
+                out += [(dom.layout_class, h, s) for h, s in dom.disk.drops]
+                dom.disk.drops.clear()
+        return out
+
+    def disk_job_done(self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], message: str = "") -> None:
+        """The storage's report of one job: `failed` blocks were not moved, `corrupt` ones (a subset
+        or not) had bad bytes at the source (dropped from that tier)."""
+        job = self.disk_jobs.pop(job_id)
+        dom = job.domain
+        host, disk = dom.registry, dom.disk
+        assert disk is not None
+        bad_blocks = failed | corrupt
+        if job.kind is DiskJobKind.WRITE:
+            dom.writes_in_flight -= 1
+            for it in job.items:
+                ok = it.hash not in bad_blocks
+                host.unpin(it.hash)
+                disk.complete_store(it.hash, ok)
+                self.counters["disk_written_blocks" if ok else "disk_write_failed_blocks"] += 1
+                if it.hash in corrupt:
+                    host.discard(it.hash)
+                    self.counters["checksum_failures"] += 1
+            return
+        waiting: dict[OpId, Op] = {}
+        for it in job.items:
+            ok = it.hash not in bad_blocks
+            disk.unpin(it.hash)
+            if it.hash in corrupt:
+                disk.discard(it.hash)
+                self.counters["disk_checksum_failures"] += 1
+            host.complete_store(it.hash, ok)
+            self.counters["disk_read_blocks" if ok else "disk_read_failed_blocks"] += 1
+            for op, pos in self._staging.pop(it.hash):
+                op.staging.discard(op.block_indices[pos])
+                if op.op_id not in self.ops.ops:
+                    continue  # the load ended meanwhile: the block stays in the host tier, unpinned
+                waiting[op.op_id] = op
+                if ok:
+                    host.pin(it.hash)  # the load's pin, released when it ends
+                else:
+                    op.failed.add(op.block_indices[pos])
+                    op.tier_slots[pos] = None
+                    op.message = op.message or message or "disk read failed"
+        for op in waiting.values():
+            if not op.staging:
+                self._ready += self.ops.release(op)
+
+    def _disk_job(self, kind: DiskJobKind, dom: Domain, items: list[DiskItem]) -> None:
+        job = DiskJob(self._next_job, kind, dom, items)
+        self._next_job += 1
+        self.disk_jobs[job.job_id] = job
+        self._disk_ready.append(job)
+        if kind is DiskJobKind.WRITE:
+            dom.writes_in_flight += 1
+
+    def _dispatch_writes(self, dom: Domain) -> None:
+        host, disk = dom.registry, dom.disk
+        assert disk is not None
+        cfg = self.config
+        if cfg.disk_policy == "write-back" and not self._flush and host.pool.num_used < cfg.disk_watermark * host.pool.capacity_blocks:
+            return
+        while dom.demote and dom.writes_in_flight < cfg.disk_jobs_in_flight:
+            items: list[DiskItem] = []
+            while dom.demote and len(items) < cfg.disk_job_blocks:
+                h, _ = dom.demote.popitem(last=False)
+                e = host.state_of(h)
+                if e is None or e.status is not BlockStatus.RESIDENT or e.doomed or disk.state_of(h) is not None:
+                    continue  # gone from the host tier, or on disk already
+                dslot = disk.prepare_store(h, e.parent)
+                if dslot is None:  # the disk is full of pinned or in-flight blocks: try again later
+                    self.counters["disk_full"] += 1
+                    dom.demote[h] = None
+                    dom.demote.move_to_end(h, last=False)
+                    break
+                host.pin(h)
+                items.append(DiskItem(h, e.parent, e.slot, dslot))
+            if not items:
+                return
+            self._disk_job(DiskJobKind.WRITE, dom, items)
+            if len(items) < cfg.disk_job_blocks and dom.demote:
+                return  # stopped by a full disk
+
+    def _sighting(self, dom: Domain, h: BlockHash) -> None:
+        """A request carries block `h` (stored, already cached, or loaded): counts toward admission."""
+        n = self.config.disk_admit_after
+        if n <= 1 or dom.disk is None:
+            return
+        seen = dom.seen
+        rec = seen.get(h)
+        now = self._now_ms
+        if rec is None or now - rec[1] > self.config.disk_admit_window_ms:
+            rec = seen[h] = [0, now]
+        else:
+            seen.move_to_end(h)
+        rec[0] += 1
+        if len(seen) > SEEN_CAP:
+            seen.popitem(last=False)
+
+    def _consider(self, dom: Domain, h: BlockHash, stored: bool = False) -> None:
+        """Queues a host-resident block for the disk once admitted (counted as a rejection when a
+        store completes before the block is admitted)."""
+        disk = dom.disk
+        if disk is None or h in dom.demote or disk.state_of(h) is not None:
+            return
+        e = dom.registry.state_of(h)
+        if e is None or e.status is not BlockStatus.RESIDENT:
+            return
+        rec = dom.seen.get(h)
+        n = self.config.disk_admit_after
+        if n <= 1 or (rec is not None and rec[0] >= n and self._now_ms - rec[1] <= self.config.disk_admit_window_ms):
+            dom.demote[h] = None
+            self.counters["disk_admitted_blocks"] += 1
+            if len(dom.demote) > 2 * dom.registry.pool.capacity_blocks + 1024:
+                self._prune_demote(dom)
+        elif stored:
+            self.counters["disk_rejected_blocks"] += 1
+
+    @staticmethod
+    def _prune_demote(dom: Domain) -> None:
+        host = dom.registry
+        dom.demote = OrderedDict((h, None) for h in dom.demote if (e := host.state_of(h)) is not None and e.status is BlockStatus.RESIDENT)
 
     def _release_slot(self, eng: Engine, rid: RequestId) -> None:
         del eng.slots[rid]

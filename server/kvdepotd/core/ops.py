@@ -3,6 +3,7 @@
 Primitives:
     Op                        the record; `parts` are ranks still to run, `failed` block indices
     OpTable.add(op) -> list[(op, rank)]       parts ready to run at once (loads; stores whose forward is done)
+    OpTable.release(op) -> list[(op, rank)]   a held load whose disk blocks reached the host tier: all its parts
     OpTable.forward_done(engine, rank, step) -> list[(op, rank)]   store parts that may start now
     OpTable.finish_part(op_id, rank, failed) -> Op | None          the op when its last part ended
     OpTable.expired(now_ms) -> list[Op]      ops past their deadline (their unfinished parts count as failed)
@@ -51,6 +52,8 @@ class Op:
     failed: set[int] = field(default_factory=set)  # block indices that failed on some rank
     corrupt: set[int] = field(default_factory=set)  # of those, the ones whose tier bytes were bad
     message: str = ""
+    staging: set[int] = field(default_factory=set)  # block indices still being read from disk into the host tier
+    held: bool = False  # a load waits for its staging before any part starts
 
     @property
     def success(self) -> bool:
@@ -76,7 +79,7 @@ class OpTable:
         op.parts_left = set(range(op.world_size))
         self.ops[op.op_id] = op
         if op.kind is OpKind.LOAD:
-            return self._start(op, list(range(op.world_size)))
+            return [] if op.held else self._start(op, list(range(op.world_size)))
         ready = [r for r in range(op.world_size) if self._forward_done.get((op.engine_id, r), -1) >= op.step]
         if len(ready) < op.world_size:
             self._waiting.setdefault(op.engine_id, []).append(op)
@@ -101,6 +104,12 @@ class OpTable:
                 keep.append(op)
         self._waiting[engine_id] = keep
         return ready
+
+    def release(self, op: Op) -> list[tuple[Op, int]]:
+        if op.op_id not in self.ops or not op.held:
+            return []
+        op.held = False
+        return self._start(op, list(range(op.world_size)))
 
     def is_waiting_forward(self, op: Op) -> bool:
         """True while no rank has started the op (it can still be cancelled without touching bytes)."""

@@ -4,6 +4,7 @@ Primitives:
     SlabArena(total_bytes, slab_bytes)   the tier's byte budget, handed out in slabs
     BlockPool(layout_class, block_bytes, arena)
         allocate() -> SlotId | None      O(1); None when neither a free slot nor a new slab is left
+        take(slots) -> bool              marks given slots used (recovery of a persistent tier)
         free(slot)                       O(1); freeing a free slot asserts (no double free)
         num_free / num_used / capacity_blocks
 
@@ -90,6 +91,26 @@ class BlockPool:
         assert 0 <= slot < self.num_slots and not self._is_free[slot], f"double free of slot {slot}"
         self._is_free[slot] = 1
         self._free.append(slot)
+
+    def take(self, slots: list[SlotId]) -> bool:
+        """Marks `slots` used, claiming slabs up to the highest one; False (nothing taken) when the
+        arena cannot hold that many slabs or a slot is already used."""
+        if not slots:
+            return True
+        need = max(slots) // self.blocks_per_slab + 1
+        while self.num_slabs < need:
+            if not self._grow():
+                return False
+        if len(set(slots)) != len(slots) or any(s < 0 or not self._is_free[s] for s in slots):
+            return False
+        for s in slots:
+            self._is_free[s] = 0
+        self._free = [s for s in self._free if self._is_free[s]]
+        return True
+
+    def slab_of(self, slot: SlotId) -> tuple[int, int]:
+        """(slab number in this pool, index in the slab)."""
+        return divmod(slot, self.blocks_per_slab)
 
     def byte_offset(self, slot: SlotId) -> int:
         """Where the slot's bytes start in the tier (slab offset + index * block size)."""

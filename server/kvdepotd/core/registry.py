@@ -12,6 +12,9 @@ Primitives (all synchronous; the caller is the Depot, on one thread):
     discard(hash)                      drops a corrupt block (at once, or when its last pin goes)
     touch(hashes)                      marks use, for LRU
     clear() -> (dropped, kept)         drops every block that is neither pinned nor in flight
+    restore(blocks) -> int             RESIDENT entries at given slots (a persistent tier after restart)
+    drops                              (hash, slot) of every dropped entry, when track_drops (the disk
+                                       tier journals them); the owner drains it
 
 Invariants (checked by check_invariants(), exercised by hypothesis):
     * every entry holds exactly one slot of the pool; used slots == entries
@@ -109,8 +112,9 @@ def make_eviction_policy(name: str) -> LeafLruPolicy:
 
 
 class BlockRegistry:
-    def __init__(self, pool: BlockPool, policy: LeafLruPolicy | None = None) -> None:
+    def __init__(self, pool: BlockPool, policy: LeafLruPolicy | None = None, track_drops: bool = False) -> None:
         self.pool = pool
+        self.drops: list[tuple[BlockHash, SlotId]] | None = [] if track_drops else None
         self.entries: dict[BlockHash, BlockEntry] = {}
         self._policy = policy or LeafLruPolicy()
         self._clock = 0
@@ -225,6 +229,21 @@ class BlockRegistry:
             dropped += 1
         return dropped, len(self.entries)
 
+    def restore(self, blocks: list[tuple[BlockHash, BlockHash | None, SlotId]]) -> bool:
+        """Adds RESIDENT, unpinned entries at the given slots (all or none: False when the pool
+        cannot take the slots or a hash repeats). Used once, on an empty registry, at start-up."""
+        assert not self.entries, "restore into a registry that is in use"
+        if len({h for h, _, _ in blocks}) != len(blocks) or not self.pool.take([s for _, _, s in blocks]):
+            return False
+        for h, parent, slot in blocks:
+            self.entries[h] = BlockEntry(hash=h, parent=parent, slot=slot, status=BlockStatus.RESIDENT, last_use=self._tick())
+            if parent is not None:
+                self._child_count[parent] = self._child_count.get(parent, 0) + 1
+        for e in self.entries.values():
+            e.children = self._child_count.get(e.hash, 0)
+            self._policy.offer(e)
+        return True
+
     # -- internals ---------------------------------------------------------------------------
     def _tick(self) -> int:
         self._clock += 1
@@ -241,6 +260,8 @@ class BlockRegistry:
     def _drop(self, e: BlockEntry) -> None:
         assert e.pins == 0 or e.status is BlockStatus.STORING
         del self.entries[e.hash]
+        if self.drops is not None:
+            self.drops.append((e.hash, e.slot))
         if e.pins:
             self.num_pinned -= 1
         self.pool.free(e.slot)
