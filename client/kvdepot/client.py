@@ -272,8 +272,9 @@ class DepotClient(_ClientCore):
     def block(self, block_hash: int, engine_id: str | None = None) -> pb.GetBlockResponse:
         return self._admin("GetBlock", pb.GetBlockRequest(engine_id=engine_id or self.engine_id, hash=block_hash))
 
-    def clear(self) -> pb.ClearResponse:
-        return self._admin("Clear", pb.ClearRequest())
+    def clear(self, tier: str = "") -> pb.ClearResponse:
+        """Drops every block that is neither pinned nor in flight, in one tier ("host", "disk") or all."""
+        return self._admin("Clear", m.clear_request(tier))
 
     def unregister(self) -> None:
         if (req := self._unregister_request()) is not None:
@@ -533,8 +534,8 @@ class AsyncDepotClient(_ClientCore):
     async def block(self, block_hash: int, engine_id: str | None = None) -> pb.GetBlockResponse:
         return await self._admin("GetBlock", pb.GetBlockRequest(engine_id=engine_id or self.engine_id, hash=block_hash))
 
-    async def clear(self) -> pb.ClearResponse:
-        return await self._admin("Clear", pb.ClearRequest())
+    async def clear(self, tier: str = "") -> pb.ClearResponse:
+        return await self._admin("Clear", m.clear_request(tier))
 
     async def unregister(self) -> None:
         if (req := self._unregister_request()) is not None:

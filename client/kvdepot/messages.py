@@ -250,3 +250,11 @@ def worker_events(ev: pb.WorkerEvent) -> list[WorkerEvent]:
     ]
     out += [RequestReleased(r) for r in ev.released]
     return out
+
+
+def clear_request(tier: str) -> pb.ClearRequest:
+    """tier: "" (every tier), "host" or "disk"."""
+    by_name = {"": pb.TIER_UNSPECIFIED, **{v: k for k, v in _TIER.items()}}
+    if tier not in by_name:
+        raise ValueError(f"tier must be host, disk or empty (all), not {tier!r}")
+    return pb.ClearRequest(tier=by_name[tier])

@@ -25,7 +25,23 @@ def parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if the daemon at ADDR answers SERVING (gRPC health check)")
     health.add_argument("address", nargs="?", default=config.DEFAULT_LISTEN, help=f"HOST:PORT or unix:PATH (default {config.DEFAULT_LISTEN})")
     health.add_argument("--timeout-s", type=float, default=3.0)
+    disk = sub.add_parser("check-disk", help="read every block a disk tier directory lists and check it (run it with the daemon stopped)")
+    disk.add_argument("directory")
     return p
+
+
+def check_disk(directory: str) -> int:
+    import json
+
+    from kvdepotd.storage.disk import verify
+
+    try:
+        result = verify(directory)
+    except OSError as e:
+        print(f"kvdepotd: cannot read {directory}: {e.strerror}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 1 if result["bad"] else 0
 
 
 def health_check(address: str, timeout_s: float) -> int:
@@ -50,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "health":
         return health_check(args.address, args.timeout_s)
+    if args.command == "check-disk":
+        return check_disk(args.directory)
     try:
         cfg = config.load(args)
     except config.ConfigError as e:

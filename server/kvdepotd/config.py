@@ -36,12 +36,24 @@ class DaemonConfig:
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
+    disk_dir: str = ""
+    disk_gib: float = 16.0
+    disk_slab_mib: int = 256
+    disk_policy: str = "write-back"
+    disk_admit_after: int = 2
+    disk_admit_window_s: float = 600.0
+    disk_direct_io: bool = True
+    disk_threads: int = 2
     fault_load_delay_ms: int = 0
     fault_corrupt_loads: int = 0
 
     @property
     def host_bytes(self) -> int:
         return int(self.host_gib * (1 << 30))
+
+    @property
+    def disk_bytes(self) -> int:
+        return int(self.disk_gib * (1 << 30)) if self.disk_dir else 0
 
 
 HELP: dict[str, str] = {
@@ -57,6 +69,16 @@ HELP: dict[str, str] = {
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
+    "disk_dir": "directory of the disk tier (G3); blocks there survive restarts. Empty (the default) means no disk tier",
+    "disk_gib": "disk tier size in GiB (used only with --disk-dir). Default 16",
+    "disk_slab_mib": "size of one preallocated disk slab file in MiB. Default 256",
+    "disk_policy": "write-back (host blocks go to disk when the host tier is past 80%% full, and on a clean shutdown) or "
+    "write-through (as soon as they are admitted). Default write-back",
+    "disk_admit_after": "a block goes to disk only once requests carried it this many times within the window "
+    "(1 admits every block). Default 2",
+    "disk_admit_window_s": "the admission window in seconds. Default 600",
+    "disk_direct_io": "true: disk I/O with O_DIRECT (no page cache); false: buffered I/O. Default true",
+    "disk_threads": "threads doing disk I/O. Default 2",
     "fault_load_delay_ms": "fault injection for tests: every load chunk waits this long before copying. Default 0",
     "fault_corrupt_loads": "fault injection for tests: the next N blocks loaded have their host bytes flipped first "
     "(the checksum must catch them). Default 0",
@@ -95,6 +117,20 @@ def _choice(*allowed: str) -> Callable[[Any], str]:
     return check
 
 
+def _bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return v.lower() in ("true", "1", "yes", "on")
+    raise ValueError("expected true or false")
+
+
+def _path(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("expected a path")
+    return v
+
+
 def _text(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError("expected a string")
@@ -116,6 +152,14 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),
+    "disk_dir": _path,
+    "disk_gib": _positive("disk_gib", float),
+    "disk_slab_mib": _positive("disk_slab_mib", int),
+    "disk_policy": _choice("write-back", "write-through"),
+    "disk_admit_after": _positive("disk_admit_after", int),
+    "disk_admit_window_s": _positive("disk_admit_window_s", float),
+    "disk_direct_io": _bool,
+    "disk_threads": _positive("disk_threads", int),
     "fault_load_delay_ms": _positive("fault_load_delay_ms", int, allow_zero=True),
     "fault_corrupt_loads": _positive("fault_corrupt_loads", int, allow_zero=True),
 }

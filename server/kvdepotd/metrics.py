@@ -4,7 +4,7 @@ path); RPC latency and errors are observed per call. Names: kvdepot_<what>[_<uni
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -13,13 +13,15 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from kvdepotd.core.depot import Depot
 
+DISK_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
 class DepotCollector(Collector):
-    def __init__(self, depot: Depot, mapped_bytes: Callable[[], int] = lambda: 0) -> None:
+    def __init__(self, depot: Depot, mapped_bytes: Callable[[], int], recovery: Callable[[], Any]) -> None:
         self.depot = depot
         self.mapped_bytes = mapped_bytes
+        self.recovery = recovery
 
     def collect(self) -> Iterator[Metric]:
         d = self.depot
@@ -38,13 +40,26 @@ class DepotCollector(Collector):
             "storing": GaugeMetricFamily("kvdepot_pool_in_flight_blocks", "blocks being stored", labels=labels),
         }
         for dom in d.domains.values():
-            reg, lv = dom.registry, [dom.layout_class, "host"]
-            gauges["capacity"].add_metric(lv, reg.pool.capacity_blocks)
-            gauges["used"].add_metric(lv, reg.pool.num_used)
-            gauges["pinned"].add_metric(lv, reg.num_pinned)
-            gauges["storing"].add_metric(lv, reg.num_storing)
+            for tier, reg in (("host", dom.registry), ("disk", dom.disk)):
+                if reg is None:
+                    continue
+                lv = [dom.layout_class, tier]
+                gauges["capacity"].add_metric(lv, reg.pool.capacity_blocks)
+                gauges["used"].add_metric(lv, reg.pool.num_used)
+                gauges["pinned"].add_metric(lv, reg.num_pinned)
+                gauges["storing"].add_metric(lv, reg.num_storing)
         yield from gauges.values()
         yield GaugeMetricFamily("kvdepot_host_tier_bytes", "configured host tier size", value=d.host_arena.total_bytes)
+        yield GaugeMetricFamily("kvdepot_disk_tier_bytes", "configured disk tier size (0: none)", value=d.disk_arena.total_bytes)
+        yield GaugeMetricFamily(
+            "kvdepot_disk_tier_used_bytes", "disk tier bytes claimed by slab files", value=d.disk_arena.used_bytes
+        )
+        rec = self.recovery()
+        yield GaugeMetricFamily("kvdepot_disk_recovered_blocks", "blocks found valid in the disk tier at start-up", value=rec.blocks)
+        yield GaugeMetricFamily(
+            "kvdepot_disk_recovery_dropped_blocks", "blocks listed in the disk tier at start-up but dropped as doubtful", value=rec.dropped
+        )
+        yield GaugeMetricFamily("kvdepot_disk_recovery_seconds", "time the disk tier's start-up recovery took", value=rec.seconds)
         yield GaugeMetricFamily("kvdepot_mapped_engine_bytes", "engine KV memory the daemon has mapped", value=self.mapped_bytes())
 
 
@@ -55,5 +70,20 @@ class Metrics:
             "kvdepot_rpc_duration_seconds", "time spent serving one RPC", ["method"], registry=self.registry, buckets=RPC_BUCKETS
         )
         self.rpc_errors = Counter("kvdepot_rpc_errors", "RPCs answered with an error status", ["method", "code"], registry=self.registry)
+        self.disk_io_bytes = Counter("kvdepot_disk_io_bytes", "block bytes moved by the disk tier", ["op"], registry=self.registry)
+        self.disk_io_seconds = Histogram(
+            "kvdepot_disk_io_duration_seconds", "time one disk job took (many blocks)", ["op"], registry=self.registry, buckets=DISK_BUCKETS
+        )
+        self.recovery: Any = _NoRecovery()
         if depot is not None:
-            self.registry.register(DepotCollector(depot, mapped_bytes))
+            self.registry.register(DepotCollector(depot, mapped_bytes, lambda: self.recovery))
+
+    def observe_disk(self, op: str, nbytes: int, seconds: float) -> None:
+        """A disk job ended (called on a disk thread; prometheus_client is thread-safe)."""
+        self.disk_io_bytes.labels(op).inc(nbytes)
+        self.disk_io_seconds.labels(op).observe(seconds)
+
+
+class _NoRecovery:
+    blocks = dropped = 0
+    seconds = 0.0

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import stat
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,11 +24,13 @@ from prometheus_client import start_http_server
 
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.config import DaemonConfig
-from kvdepotd.core.depot import Depot, DepotConfig
+from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
 from kvdepotd.metrics import Metrics
 from kvdepotd.service import DepotService, safe_parser
+from kvdepotd.storage.disk import DiskError, DiskStore
 from kvdepotd.storage.host_arena import ArenaError, HostArena
 from kvdepotd.transfer import Faults
+from kvdepotd.transfer.disk import DiskCopyEngine
 
 log = logging.getLogger("kvdepotd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -62,6 +65,11 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         op_timeout_ms=cfg.op_timeout_ms,
         max_tokens=cfg.max_tokens,
         eviction_policy=cfg.eviction_policy,
+        disk_bytes=cfg.disk_bytes,
+        disk_slab_bytes=cfg.disk_slab_mib << 20,
+        disk_policy=cfg.disk_policy,
+        disk_admit_after=cfg.disk_admit_after,
+        disk_admit_window_ms=int(cfg.disk_admit_window_s * 1000),
     )
 
 
@@ -86,6 +94,44 @@ def _prepare_unix(addr: str) -> None:
     raise StartupError(f"another process is serving on {addr}")
 
 
+class Recovery:
+    """What start-up found in the disk tier."""
+
+    def __init__(self, blocks: int = 0, dropped: int = 0, seconds: float = 0.0) -> None:
+        self.blocks, self.dropped, self.seconds = blocks, dropped, seconds
+
+
+def recover_disk(depot: Depot, store: DiskStore) -> Recovery:
+    """Reads back every layout class the disk tier holds and hands the valid blocks to the core."""
+    t0 = time.monotonic()
+    rec = Recovery()
+    reasons: dict[str, int] = {}
+    for meta in store.existing():
+        try:
+            cls, block_bytes, world_size = str(meta["layout_class"]), int(meta["block_bytes"]), int(meta["world_size"])  # type: ignore[call-overload]
+        except (KeyError, TypeError, ValueError):
+            log.warning("disk tier: ignoring a class directory with unreadable metadata: %r", meta)
+            continue
+        arena = depot.disk_arena
+        per_slab, slab_bytes = arena.slab_size_for(disk_record_bytes(block_bytes))
+        got = store.recover(cls, block_bytes, world_size, per_slab, arena.free_bytes // slab_bytes)
+        if not depot.restore_disk(cls, block_bytes, world_size, got.blocks):  # cannot happen after recover()'s checks
+            got.dropped["could not be restored"] = len(got.blocks)
+            for h, _, slot in got.blocks:
+                store.classes[cls].forget(slot, h)
+            got.blocks = []
+        rec.blocks += len(got.blocks)
+        for reason, n in got.dropped.items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    rec.dropped = sum(reasons.values())
+    rec.seconds = time.monotonic() - t0
+    log.info(
+        "disk tier: recovered %d blocks in %.2f s%s", rec.blocks, rec.seconds,
+        "; dropped " + ", ".join(f"{n} ({why})" for why, n in sorted(reasons.items())) if reasons else "",
+    )
+    return rec
+
+
 class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
@@ -99,6 +145,16 @@ class Daemon:
         if faults.load_delay_ms or faults.corrupt_loads:
             log.warning("fault injection on: loads wait %d ms; the next %d loaded blocks are corrupted", faults.load_delay_ms, faults.corrupt_loads)
         self.service = DepotService(self.depot, self.metrics, self.arena, faults=faults)
+        self.recovery = Recovery()
+        if cfg.disk_dir:
+            try:
+                store = DiskStore(cfg.disk_dir, cfg.disk_bytes, direct=cfg.disk_direct_io)
+                self.recovery = recover_disk(self.depot, store)
+            except (DiskError, OSError) as e:
+                self.arena.close()
+                raise StartupError(f"disk tier: {e}") from None
+            self.service.disk = DiskCopyEngine(self.service.disk_done, self.arena, store, cfg.disk_threads, self.metrics.observe_disk)
+        self.metrics.recovery = self.recovery
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.addresses: list[str] = []
@@ -143,6 +199,12 @@ class Daemon:
             "host tier %.2f GiB (%d-MiB slabs), lease %d ms, op deadline %d ms, metrics %s",
             self.cfg.host_gib, self.cfg.slab_mib, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
         )
+        if self.cfg.disk_dir:
+            log.info(
+                "disk tier %.2f GiB in %s (%s, admit after %d sightings, %s I/O, %d threads)",
+                self.cfg.disk_gib, self.cfg.disk_dir, self.cfg.disk_policy, self.cfg.disk_admit_after,
+                "O_DIRECT" if self.cfg.disk_direct_io else "buffered", self.cfg.disk_threads,
+            )
 
     async def run(self) -> None:
         await self.start()
@@ -162,7 +224,7 @@ class Daemon:
         log.info("%s: draining (health NOT_SERVING, grace %.1f s)", why, self.cfg.drain_grace_s)
         await self.health.enter_graceful_shutdown()
         if self.server is not None:
-            await self.service.close()
+            await self.service.close(self.cfg.drain_grace_s)
             await self.server.stop(self.cfg.drain_grace_s)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ from kvdepotd.errors import status_of
 from kvdepotd.metrics import Metrics
 from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer import Faults, HostCopyEngine, PartDone
+from kvdepotd.transfer.disk import DiskCopyEngine
 from kvdepotd.transfer.mapping import map_rank
 
 log = logging.getLogger("kvdepotd")
@@ -109,6 +110,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self.backlog: dict[tuple[EngineId, int], deque[pb.WorkerEvent]] = {}
         self.started = time.time()
         self._ticker: asyncio.Task[None] | None = None
+        self.disk: DiskCopyEngine | None = None
+        self._flush = False
 
     @staticmethod
     def now_ms() -> int:
@@ -118,10 +121,14 @@ class DepotService(pb_grpc.BlockManagerServicer):
     def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 10.0) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
+        if self.disk is not None:
+            await self._flush_disk(grace_s)
         await self.copy.close()
+        if self.disk is not None:
+            await self.disk.close()
         for ch in list(self.channels.values()):
             ch.close("daemon shutting down", grpc.StatusCode.UNAVAILABLE)
 
@@ -138,6 +145,18 @@ class DepotService(pb_grpc.BlockManagerServicer):
             except Exception:  # the ticker must not die: a bug here is logged, the daemon serves on
                 log.exception("expiry tick failed")
 
+    async def _flush_disk(self, grace_s: float) -> None:
+        """A clean shutdown writes admitted host blocks to disk (write-back holds them back) and
+        waits for disk jobs, within the grace."""
+        self._flush = True
+        self._pump()
+        end = time.monotonic() + grace_s
+        while self.depot.disk_jobs and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+            self._pump()
+        if self.depot.disk_jobs:
+            log.warning("shutdown: %d disk jobs still running after the grace", len(self.depot.disk_jobs))
+
     # -- the pump ---------------------------------------------------------------------------------
     def _pump(self) -> None:
         if self._pumping:  # a copy engine that ends parts at once calls back into us
@@ -148,6 +167,9 @@ class DepotService(pb_grpc.BlockManagerServicer):
             while parts:
                 self.copy.submit(parts)
                 parts = self.depot.take_ready()
+            if self.disk is not None:
+                self.disk.forget(self.depot.take_disk_drops())  # delete last: before any slot is rewritten
+                self.disk.submit(self.depot.take_disk_jobs(self.now_ms(), self._flush))
         finally:
             self._pumping = False
         events = self.depot.take_events()
@@ -183,6 +205,12 @@ class DepotService(pb_grpc.BlockManagerServicer):
             self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message, d.corrupt)
             if d.corrupt:
                 log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
+        self._pump()
+
+    def disk_done(self, job_id: int, failed: set[int], corrupt: set[int], message: str) -> None:
+        self.depot.disk_job_done(job_id, failed, corrupt, message)  # type: ignore[arg-type]
+        if corrupt:
+            log.warning("disk job %d: %d blocks failed their checksum and were dropped", job_id, len(corrupt))
         self._pump()
 
     def _close_engine(self, engine_id: EngineId, reason: str) -> None:
@@ -274,7 +302,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             now_ms=self.now_ms(),
         )
         self._touch_lease(engine_id)
-        by_tier = [pb.TierTokens(tier=pb.TIER_HOST, tokens=res.host_tokens)] if res.host_tokens else []
+        by_tier = [pb.TierTokens(tier=t, tokens=n) for t, n in ((pb.TIER_HOST, res.host_tokens), (pb.TIER_DISK, res.disk_tokens)) if n]
         return pb.LookupResponse(
             matched_tokens=res.matched_tokens,
             by_tier=by_tier,
@@ -374,18 +402,21 @@ class DepotService(pb_grpc.BlockManagerServicer):
         d = self.depot
         pools = []
         for dom in d.domains.values():
-            reg = dom.registry
-            pools.append(
-                pb.PoolStats(
-                    layout_class=dom.layout_class,
-                    tier=pb.TIER_HOST,
-                    block_bytes=dom.block_bytes,
-                    capacity_blocks=reg.pool.capacity_blocks,
-                    used_blocks=reg.pool.num_used,
-                    pinned_blocks=reg.num_pinned,
-                    in_flight_blocks=reg.num_storing,
+            for tier, reg in ((pb.TIER_HOST, dom.registry), (pb.TIER_DISK, dom.disk)):
+                if reg is None:
+                    continue
+                pools.append(
+                    pb.PoolStats(
+                        layout_class=dom.layout_class,
+                        tier=tier,
+                        block_bytes=dom.block_bytes,
+                        capacity_blocks=reg.pool.capacity_blocks,
+                        used_blocks=reg.pool.num_used,
+                        pinned_blocks=reg.num_pinned,
+                        in_flight_blocks=reg.num_storing,
+                    )
                 )
-            )
+        rec = self.metrics.recovery
         return pb.GetStatsResponse(
             engines=len(d.engines),
             slots=sum(len(e.slots) for e in d.engines.values()),
@@ -396,6 +427,11 @@ class DepotService(pb_grpc.BlockManagerServicer):
             uptime_s=time.time() - self.started,
             mapped_engine_bytes=self.copy.mapped_bytes,
             mapped_ranks=len(self.copy.mappings),
+            disk_bytes=d.disk_arena.total_bytes,
+            disk_dir=self.disk.store.root if self.disk is not None else "",
+            disk_recovered_blocks=rec.blocks,
+            disk_recovery_dropped_blocks=rec.dropped,
+            disk_recovery_s=rec.seconds,
         )
 
     @rpc
@@ -419,12 +455,13 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     @rpc
     async def GetBlock(self, request: pb.GetBlockRequest, context: grpc.aio.ServicerContext) -> pb.GetBlockResponse:
-        e = self.depot.block_info(EngineId(request.engine_id), request.hash)  # type: ignore[arg-type]
+        host, disk = self.depot.block_info(EngineId(request.engine_id), request.hash)  # type: ignore[arg-type]
+        e = host or disk
         if e is None:
             return pb.GetBlockResponse(found=False)
         return pb.GetBlockResponse(
             found=True,
-            tiers=[pb.TIER_HOST],
+            tiers=[t for t, x in ((pb.TIER_HOST, host), (pb.TIER_DISK, disk)) if x is not None],
             state=e.status.value,
             pins=e.pins,
             hits=e.hits,
@@ -435,6 +472,10 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     @rpc
     async def Clear(self, request: pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
-        dropped, kept = self.depot.clear()
-        log.info("clear: dropped %d blocks, kept %d pinned or in flight", dropped, kept)
+        tier = request.tier
+        if tier not in (pb.TIER_UNSPECIFIED, pb.TIER_HOST, pb.TIER_DISK):
+            raise InvalidRequest(f"tier {tier} is not a tier")
+        dropped, kept = self.depot.clear(host=tier != pb.TIER_DISK, disk=tier != pb.TIER_HOST)
+        self._pump()
+        log.info("clear (%s): dropped %d blocks, kept %d pinned or in flight", pb.Tier.Name(tier), dropped, kept)
         return pb.ClearResponse(dropped_blocks=dropped, kept_blocks=kept)

@@ -372,7 +372,7 @@ class PoolStats(_message.Message):
     def __init__(self, layout_class: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_flight_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("engines", "slots", "ops_in_flight", "pools", "counters", "host_bytes", "uptime_s", "mapped_engine_bytes", "mapped_ranks")
+    __slots__ = ("engines", "slots", "ops_in_flight", "pools", "counters", "host_bytes", "uptime_s", "mapped_engine_bytes", "mapped_ranks", "disk_bytes", "disk_dir", "disk_recovered_blocks", "disk_recovery_dropped_blocks", "disk_recovery_s")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -389,6 +389,11 @@ class GetStatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     MAPPED_ENGINE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAPPED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_DIR_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERY_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DISK_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
     engines: int
     slots: int
     ops_in_flight: int
@@ -398,7 +403,12 @@ class GetStatsResponse(_message.Message):
     uptime_s: float
     mapped_engine_bytes: int
     mapped_ranks: int
-    def __init__(self, engines: _Optional[int] = ..., slots: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., host_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., mapped_engine_bytes: _Optional[int] = ..., mapped_ranks: _Optional[int] = ...) -> None: ...
+    disk_bytes: int
+    disk_dir: str
+    disk_recovered_blocks: int
+    disk_recovery_dropped_blocks: int
+    disk_recovery_s: float
+    def __init__(self, engines: _Optional[int] = ..., slots: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., host_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., mapped_engine_bytes: _Optional[int] = ..., mapped_ranks: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_dir: _Optional[str] = ..., disk_recovered_blocks: _Optional[int] = ..., disk_recovery_dropped_blocks: _Optional[int] = ..., disk_recovery_s: _Optional[float] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("engine_id", "engine_name", "model", "layout", "namespace", "update_style", "slots", "lease_expires_unix_ms", "attached_ranks", "last_step")
@@ -527,8 +537,10 @@ class GetBlockResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., state: _Optional[str] = ..., pins: _Optional[int] = ..., hits: _Optional[int] = ..., has_parent: _Optional[bool] = ..., parent: _Optional[int] = ..., children: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("tier",)
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
     __slots__ = ("dropped_blocks", "kept_blocks")

@@ -20,23 +20,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import xxhash._xxhash
 
 from kvdepot.layout import KvLayout
 from kvdepotd.core.ops import Op, OpKind
 from kvdepotd.core.pool import SlotId
+from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
 from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer.base import CopyEngine, PartDone
 from kvdepotd.transfer.mapping import RankMapping
 
 log = logging.getLogger("kvdepotd")
 _memmove = ctypes.memmove
-# xxh3-64 (seed 0) straight from the xxhash wheel's library: a ctypes call releases the GIL, so
-# both copy threads checksum at once (xxhash.xxh3_64_intdigest holds the GIL: half the speed).
-_lib = ctypes.CDLL(xxhash._xxhash.__file__)
-_xxh3_at = _lib.XXH3_64bits
-_xxh3_at.restype = ctypes.c_uint64
-_xxh3_at.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 Work = list[tuple[int, int, SlotId]]  # (block index, engine block id, host slot)
 
 

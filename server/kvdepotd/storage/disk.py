@@ -1,0 +1,586 @@
+"""The disk tier's bytes and files: slab files, a journal per layout class, recovery.
+
+    <disk-dir>/<layout class>/meta.json        what the files hold (record size, blocks per slab)
+    <disk-dir>/<layout class>/slab-00000.kv    preallocated; slot k of the class lives in slab
+                                               k // blocks_per_slab at record k % blocks_per_slab
+    <disk-dir>/<layout class>/journal          fixed-size ADD / REMOVE records, each checksummed
+
+One record on disk = a 4 KiB header (magic, generation, hash, parent, per-rank xxh3 of the data,
+a checksum of the header itself) and the block's data padded to 4 KiB, so one block is one
+aligned O_DIRECT I/O and consecutive slots are written or read with one pwritev / preadv.
+
+Crash safety (the order is the whole design):
+    data first     a block's record is written (and fdatasync'ed) before its ADD goes to the journal;
+    pointer second an ADD is appended only after that, so the journal never lists unwritten data;
+    delete last    a dropped block gets a REMOVE at once, and a slot is rewritten only after the
+                   journal holding its REMOVE was synced.
+Recovery replays the journal (a torn or bad record ends it), then reads the header of every
+listed block and drops any whose header does not say exactly what the journal said. Data is
+never repaired: a doubtful block is dropped (KV can be recomputed), and every read checks the
+data against the header's checksums before the block is served.
+
+Thread safety: reads and writes run on the disk copy engine's threads, forget() on the event
+loop; the journal and the live map are guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import json
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdepotd.core.depot import DISK_ALIGN, DISK_HEADER_BYTES, disk_record_bytes
+from kvdepotd.storage.checksum import xxh3_at, xxh3_bytes
+
+log = logging.getLogger("kvdepotd")
+
+FORMAT_VERSION = 1
+MAGIC = b"KVDPBLK1"
+# magic, generation, hash, parent, has_parent, ranks, data bytes; then ranks x u64 checksums, then u64 header checksum
+_HEAD = struct.Struct("<8sQQQB3xIQ")
+MAX_RANKS = (DISK_HEADER_BYTES - _HEAD.size - 8) // 8
+# kind, slot, generation, hash, parent, has_parent; then u64 checksum of those bytes
+_REC = struct.Struct("<BQQQQB")
+REC_BYTES = _REC.size + 8
+ADD, REMOVE = 1, 2
+MAX_RUN_BYTES = 64 << 20  # most bytes one pwritev / preadv moves
+MAX_RUN_RECORDS = 256  # iovecs: two per record, IOV_MAX is 1024
+JOURNAL = "journal"
+META = "meta.json"
+
+
+class DiskError(RuntimeError):
+    """The disk tier cannot be set up as configured; the message says why."""
+
+
+@dataclass(slots=True)
+class Live:
+    hash: int
+    parent: int | None
+    gen: int
+
+
+@dataclass(slots=True)
+class Recovered:
+    """What start-up found for one layout class."""
+
+    layout_class: str
+    block_bytes: int
+    blocks: list[tuple[int, int | None, int]]  # (hash, parent, slot)
+    dropped: dict[str, int] = field(default_factory=dict)  # reason -> blocks
+
+
+def class_dir_name(layout_class: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", layout_class)
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, max(nbytes, mmap.PAGESIZE))  # anonymous mappings are page aligned
+
+
+def _view(addr: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
+    return (ctypes.c_char * nbytes).from_address(addr)
+
+
+class ClassStore:
+    """The files of one layout class."""
+
+    def __init__(self, root: str, layout_class: str, block_bytes: int, world_size: int, blocks_per_slab: int, direct: bool) -> None:
+        if world_size > MAX_RANKS:
+            raise DiskError(f"layout class {layout_class}: {world_size} ranks do not fit a block header (at most {MAX_RANKS})")
+        self.layout_class = layout_class
+        self.block_bytes = block_bytes
+        self.world_size = world_size
+        self.rank_bytes = block_bytes // world_size
+        self.record_bytes = disk_record_bytes(block_bytes)
+        self.blocks_per_slab = blocks_per_slab
+        self.direct = direct
+        self.dir = os.path.join(root, class_dir_name(layout_class))
+        self.live: dict[int, Live] = {}  # slot -> what the journal lists there
+        self.gen = 1
+        self._lock = threading.Lock()
+        self._slabs: dict[int, int] = {}  # slab number -> fd
+        self._slab_lock = threading.Lock()
+        self._journal_fd = -1
+        self._records = 0  # records in the journal file
+        self._removes_unsynced = False
+        self._tls = threading.local()
+
+    # -- files ---------------------------------------------------------------------------------
+    def meta(self) -> dict[str, object]:
+        return {
+            "version": FORMAT_VERSION,
+            "layout_class": self.layout_class,
+            "block_bytes": self.block_bytes,
+            "world_size": self.world_size,
+            "record_bytes": self.record_bytes,
+            "blocks_per_slab": self.blocks_per_slab,
+        }
+
+    def slab_path(self, slab: int) -> str:
+        return os.path.join(self.dir, f"slab-{slab:05d}.kv")
+
+    def _slab_fd(self, slab: int) -> int:
+        fd = self._slabs.get(slab)
+        if fd is not None:
+            return fd
+        with self._slab_lock:
+            fd = self._slabs.get(slab)
+            if fd is None:
+                fd = self._slabs[slab] = self._open_slab(slab)
+        return fd
+
+    def _open_slab(self, slab: int) -> int:
+        path = self.slab_path(slab)
+        size = self.blocks_per_slab * self.record_bytes
+        flags = os.O_RDWR | os.O_CREAT
+        if self.direct:
+            try:
+                fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.warning("disk tier: %s does not support O_DIRECT; using buffered I/O", self.dir)
+                self.direct = False
+                fd = os.open(path, flags, 0o600)
+        else:
+            fd = os.open(path, flags, 0o600)
+        if os.fstat(fd).st_size < size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:  # a filesystem that refuses fallocate gets a sparse file
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    os.close(fd)
+                    raise
+                os.ftruncate(fd, size)
+        return fd
+
+    def _bufs(self) -> tuple[mmap.mmap, mmap.mmap | None]:
+        """This thread's header buffers and bounce buffer (for blocks whose memory or size is not aligned)."""
+        tls = self._tls
+        if not hasattr(tls, "heads"):
+            run = self.run_records()
+            tls.heads = _aligned(run * DISK_HEADER_BYTES)
+            tls.bounce = None if self._zero_copy_ok() else _aligned(run * self.record_bytes)
+        return tls.heads, tls.bounce
+
+    def run_records(self) -> int:
+        return max(1, min(MAX_RUN_RECORDS, MAX_RUN_BYTES // self.record_bytes))
+
+    def _zero_copy_ok(self) -> bool:
+        return self.block_bytes % DISK_ALIGN == 0
+
+    # -- headers and journal records ---------------------------------------------------------------
+    def _header(self, buf: mmap.mmap, at: int, gen: int, h: int, parent: int | None, sums: list[int]) -> None:
+        head = _HEAD.pack(MAGIC, gen, h, parent or 0, parent is not None, len(sums), self.block_bytes)
+        body = head + struct.pack(f"<{len(sums)}Q", *sums)
+        buf[at : at + len(body) + 8] = body + struct.pack("<Q", xxh3_bytes(body))
+
+    def parse_header(self, raw: bytes) -> tuple[int, int, int | None, list[int]] | None:
+        """(generation, hash, parent, rank checksums), or None when the header is not intact."""
+        magic, gen, h, parent, has_parent, ranks, nbytes = _HEAD.unpack_from(raw)
+        if magic != MAGIC or ranks != self.world_size or nbytes != self.block_bytes:
+            return None
+        end = _HEAD.size + 8 * ranks
+        (want,) = struct.unpack_from("<Q", raw, end)
+        if xxh3_bytes(bytes(raw[:end])) != want:
+            return None
+        sums = list(struct.unpack_from(f"<{ranks}Q", raw, _HEAD.size))
+        return gen, h, (parent if has_parent else None), sums
+
+    @staticmethod
+    def _record(kind: int, slot: int, gen: int, h: int, parent: int | None) -> bytes:
+        body = _REC.pack(kind, slot, gen, h, parent or 0, parent is not None)
+        return body + struct.pack("<Q", xxh3_bytes(body))
+
+    def _append(self, data: bytes) -> None:
+        """One write of whole records (the caller holds the lock)."""
+        os.write(self._journal_fd, data)
+        self._records += len(data) // REC_BYTES
+
+    # -- set-up and recovery -------------------------------------------------------------------------
+    def open_new(self) -> None:
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        _write_atomic(os.path.join(self.dir, META), json.dumps(self.meta()).encode())
+        self._journal_fd = os.open(os.path.join(self.dir, JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def recover(self, max_slabs: int) -> Recovered:
+        """Reads what the files hold, keeps what can be trusted, rewrites the journal compactly."""
+        out = Recovered(self.layout_class, self.block_bytes, [])
+        dropped = out.dropped
+        entries = self._replay(dropped)
+        slabs = self._slab_files()
+        size = self.blocks_per_slab * self.record_bytes
+        for slot in list(entries):
+            slab = slot // self.blocks_per_slab
+            if slab >= max_slabs:
+                reason = "over the configured size"
+            elif slabs.get(slab) != size:
+                reason = "slab file missing or cut short"
+            else:
+                continue
+            del entries[slot]
+            dropped[reason] = dropped.get(reason, 0) + 1
+        for slab in [s for s in slabs if s >= max_slabs]:
+            os.unlink(self.slab_path(slab))
+        by_hash: dict[int, int] = {}
+        for slot, e in sorted(entries.items(), key=lambda kv: kv[1].gen):
+            if (old := by_hash.get(e.hash)) is not None:  # listed twice: keep the newer
+                del entries[old]
+                dropped["listed twice"] = dropped.get("listed twice", 0) + 1
+            by_hash[e.hash] = slot
+        for slot, e in list(entries.items()):
+            got = self._read_header(slot)
+            if got is None or got[:3] != (e.gen, e.hash, e.parent):
+                del entries[slot]
+                dropped["header does not match the journal"] = dropped.get("header does not match the journal", 0) + 1
+        self.live = entries
+        self.gen = max((e.gen for e in entries.values()), default=0) + 1
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self._rewrite_journal()
+        out.blocks = [(e.hash, e.parent, slot) for slot, e in entries.items()]
+        return out
+
+    def _replay(self, dropped: dict[str, int]) -> dict[int, Live]:
+        entries: dict[int, Live] = {}
+        try:
+            with open(os.path.join(self.dir, JOURNAL), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return entries
+        n = len(data) // REC_BYTES
+        for k in range(n):
+            rec = data[k * REC_BYTES : (k + 1) * REC_BYTES]
+            body = rec[: _REC.size]
+            if struct.unpack_from("<Q", rec, _REC.size)[0] != xxh3_bytes(body):
+                dropped["journal ends in a bad record"] = dropped.get("journal ends in a bad record", 0) + (n - k)
+                break
+            kind, slot, gen, h, parent, has_parent = _REC.unpack(body)
+            if kind == ADD:
+                entries[slot] = Live(h, parent if has_parent else None, gen)
+            elif kind == REMOVE and (e := entries.get(slot)) is not None and e.hash == h:
+                del entries[slot]
+        return entries
+
+    def _slab_files(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return out
+        for name in names:
+            m = re.fullmatch(r"slab-(\d{5})\.kv", name)
+            if m:
+                out[int(m.group(1))] = os.stat(os.path.join(self.dir, name)).st_size
+        return out
+
+    def _read_header(self, slot: int) -> tuple[int, int, int | None, list[int]] | None:
+        heads, _ = self._bufs()
+        slab, index = divmod(slot, self.blocks_per_slab)
+        try:
+            n = os.preadv(self._slab_fd(slab), [memoryview(heads)[:DISK_HEADER_BYTES]], index * self.record_bytes)
+        except OSError:
+            return None
+        return self.parse_header(heads[:DISK_HEADER_BYTES]) if n == DISK_HEADER_BYTES else None
+
+    def _rewrite_journal(self) -> None:
+        """A journal that lists exactly the live blocks, swapped in atomically."""
+        data = b"".join(self._record(ADD, slot, e.gen, e.hash, e.parent) for slot, e in self.live.items())
+        _write_atomic(os.path.join(self.dir, JOURNAL), data)
+        _write_atomic(os.path.join(self.dir, META), json.dumps(self.meta()).encode())
+        if self._journal_fd >= 0:
+            os.close(self._journal_fd)
+        self._journal_fd = os.open(os.path.join(self.dir, JOURNAL), os.O_WRONLY | os.O_APPEND)
+        self._records = len(self.live)
+
+    # -- the data path (copy threads) ----------------------------------------------------------------
+    def write(self, blocks: Sequence[tuple[int, int, int | None, int, list[int]]]) -> set[int]:
+        """(slot, hash, parent, source address, rank checksums) per block: writes the records, then
+        lists them in the journal. Returns the hashes that could not be written."""
+        with self._lock:
+            sync = self._removes_unsynced
+            self._removes_unsynced = False
+        if sync:
+            os.fdatasync(self._journal_fd)  # delete last: removals are durable before slots are reused
+        failed: set[int] = set()
+        written: list[tuple[int, int, int | None, int]] = []
+        touched: set[int] = set()
+        for run in self._runs(sorted(blocks, key=lambda b: b[0])):
+            slab, index = divmod(run[0][0], self.blocks_per_slab)
+            gens = self._take_gens(len(run))
+            try:
+                fd = self._slab_fd(slab)
+                self._pwrite_run(fd, index, run, gens)
+            except OSError as e:
+                log.warning("disk tier: writing %d blocks to %s failed: %s", len(run), self.slab_path(slab), e)
+                failed.update(b[1] for b in run)
+                continue
+            touched.add(fd)
+            written += [(b[0], b[1], b[2], g) for b, g in zip(run, gens)]
+        for fd in touched:
+            os.fdatasync(fd)  # data first
+        if written:
+            with self._lock:  # pointer second
+                self._append(b"".join(self._record(ADD, s, g, h, p) for s, h, p, g in written))
+                for s, h, p, g in written:
+                    self.live[s] = Live(h, p, g)
+        return failed
+
+    def read(self, blocks: Sequence[tuple[int, int, int]]) -> tuple[set[int], set[int], dict[int, list[int]]]:
+        """(slot, hash, destination address) per block. Returns (failed, corrupt, checksums by hash):
+        failed blocks could not be read; corrupt ones were read but their header or data did not
+        check out (they are removed from the journal at once)."""
+        failed: set[int] = set()
+        corrupt: set[int] = set()
+        sums: dict[int, list[int]] = {}
+        for run in self._runs(sorted(blocks, key=lambda b: b[0])):
+            slab, index = divmod(run[0][0], self.blocks_per_slab)
+            try:
+                heads = self._pread_run(self._slab_fd(slab), index, run)
+            except OSError as e:
+                log.warning("disk tier: reading %d blocks from %s failed: %s", len(run), self.slab_path(slab), e)
+                failed.update(b[1] for b in run)
+                continue
+            for (slot, h, addr), raw in zip(run, heads):
+                with self._lock:
+                    want = self.live.get(slot)
+                got = self.parse_header(raw)
+                ok = want is not None and got is not None and got[:2] == (want.gen, h) and want.hash == h
+                if ok:
+                    assert got is not None
+                    rb = self.rank_bytes
+                    ok = all(xxh3_at(addr + r * rb, rb) == s for r, s in enumerate(got[3]))
+                if ok:
+                    assert got is not None
+                    sums[h] = got[3]
+                else:
+                    corrupt.add(h)
+                    self.forget(slot, h)
+        return failed, corrupt, sums
+
+    def _runs(self, blocks: list[Any]) -> Iterator[list[Any]]:
+        """Consecutive slots of one slab, at most run_records() long."""
+        run: list[Any] = []
+        limit = self.run_records()
+        for b in blocks:
+            if run and (b[0] != run[-1][0] + 1 or b[0] % self.blocks_per_slab == 0 or len(run) == limit):
+                yield run
+                run = []
+            run.append(b)
+        if run:
+            yield run
+
+    def _take_gens(self, n: int) -> list[int]:
+        with self._lock:
+            first = self.gen
+            self.gen += n
+        return list(range(first, first + n))
+
+    def _pwrite_run(self, fd: int, index: int, run: list[Any], gens: list[int]) -> None:
+        heads, bounce = self._bufs()
+        H, R, B = DISK_HEADER_BYTES, self.record_bytes, self.block_bytes
+        iov: list[object] = []
+        for k, ((_, h, parent, addr, sums), gen) in enumerate(zip(run, gens)):
+            if bounce is None:
+                self._header(heads, k * H, gen, h, parent, sums)
+                iov += [memoryview(heads)[k * H : (k + 1) * H], _view(addr, B)]
+            else:
+                self._header(bounce, k * R, gen, h, parent, sums)
+                ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(bounce, k * R + H)), addr, B)
+        if bounce is not None:
+            iov = [memoryview(bounce)[: len(run) * R]]
+        want = len(run) * (R if bounce is not None else H + B)
+        n = os.pwritev(fd, iov, index * R)  # type: ignore[arg-type]
+        if n != want:
+            raise OSError(errno.EIO, f"short write ({n} of {want} bytes)")
+
+    def _pread_run(self, fd: int, index: int, run: list[Any]) -> list[bytes]:
+        heads, bounce = self._bufs()
+        H, R, B = DISK_HEADER_BYTES, self.record_bytes, self.block_bytes
+        if bounce is None:
+            iov: list[object] = []
+            for k, (_, _, addr) in enumerate(run):
+                iov += [memoryview(heads)[k * H : (k + 1) * H], _view(addr, B)]
+            want = len(run) * (H + B)
+        else:
+            iov = [memoryview(bounce)[: len(run) * R]]
+            want = len(run) * R
+        n = os.preadv(fd, iov, index * R)  # type: ignore[arg-type]
+        if n != want:
+            raise OSError(errno.EIO, f"short read ({n} of {want} bytes)")
+        if bounce is None:
+            return [heads[k * H : k * H + H] for k in range(len(run))]
+        out = []
+        for k, (_, _, addr) in enumerate(run):
+            out.append(bounce[k * R : k * R + H])
+            ctypes.memmove(addr, ctypes.addressof(ctypes.c_char.from_buffer(bounce, k * R + H)), B)
+        return out
+
+    # -- removal, compaction, shutdown ---------------------------------------------------------------
+    def forget(self, slot: int, h: int) -> None:
+        """The block at `slot` is no longer listed (its slot may be rewritten after the next sync)."""
+        with self._lock:
+            e = self.live.get(slot)
+            if e is None or e.hash != h:
+                return
+            del self.live[slot]
+            self._append(self._record(REMOVE, slot, e.gen, h, e.parent))
+            self._removes_unsynced = True
+
+    def maybe_compact(self) -> bool:
+        """Rewrites the journal when most of its records are dead (a copy thread calls this)."""
+        with self._lock:
+            if self._records < 4 * len(self.live) + 65_536:
+                return False
+            self._rewrite_journal()
+            self._removes_unsynced = False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._journal_fd >= 0:
+                os.fsync(self._journal_fd)
+                os.close(self._journal_fd)
+                self._journal_fd = -1
+        with self._slab_lock:
+            for fd in self._slabs.values():
+                os.close(fd)
+            self._slabs.clear()
+
+
+def verify(root: str) -> dict[str, int]:
+    """Reads every block the journals list (buffered, read-only) and checks its header and data:
+    what `kvdepotd check-disk` prints. A block the journal lists that does not check out counts as
+    bad; the daemon would drop it at start-up or at its first read, and never serve it."""
+    out = {"classes": 0, "listed": 0, "valid": 0, "bad": 0}
+    for name in sorted(os.listdir(root)):
+        try:
+            with open(os.path.join(root, name, META), "rb") as f:
+                meta = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        store = ClassStore(root, meta["layout_class"], meta["block_bytes"], meta["world_size"], meta["blocks_per_slab"], False)
+        out["classes"] += 1
+        rb = store.rank_bytes
+        for slot, e in store._replay({}).items():
+            out["listed"] += 1
+            slab, index = divmod(slot, store.blocks_per_slab)
+            try:
+                with open(store.slab_path(slab), "rb") as f:
+                    f.seek(index * store.record_bytes)
+                    raw = f.read(DISK_HEADER_BYTES + store.block_bytes)
+            except OSError:
+                raw = b""
+            got = store.parse_header(raw) if len(raw) == DISK_HEADER_BYTES + store.block_bytes else None
+            ok = got is not None and got[:3] == (e.gen, e.hash, e.parent)
+            if ok and got is not None:
+                data = raw[DISK_HEADER_BYTES:]
+                ok = all(xxh3_bytes(data[r * rb : (r + 1) * rb]) == s for r, s in enumerate(got[3]))
+            out["valid" if ok else "bad"] += 1
+    return out
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class DiskStore:
+    """Every layout class under one directory."""
+
+    def __init__(self, root: str, total_bytes: int, direct: bool = True) -> None:
+        self.root = root
+        self.total_bytes = total_bytes
+        self.direct = direct
+        self.classes: dict[str, ClassStore] = {}
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            probe = os.path.join(root, ".kvdepotd-probe")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as e:
+            raise DiskError(f"the disk tier directory {root} is not usable: {e.strerror}") from None
+        ours = sum(os.stat(os.path.join(d, f)).st_size for d, _, fs in os.walk(root) for f in fs)
+        st = os.statvfs(root)
+        free = st.f_bavail * st.f_frsize + ours
+        if free < total_bytes:
+            raise DiskError(
+                f"the disk tier needs {total_bytes / 2**30:.2f} GiB but {root} has {free / 2**30:.2f} GiB free "
+                "(counting the tier's own files): lower --disk-gib or free space"
+            )
+
+    def existing(self) -> list[dict[str, object]]:
+        """meta.json of every class directory present (unreadable ones are skipped with a warning)."""
+        out = []
+        for name in sorted(os.listdir(self.root)):
+            path = os.path.join(self.root, name, META)
+            if not os.path.isfile(path):
+                continue
+            try:
+                with open(path, "rb") as f:
+                    meta = json.loads(f.read())
+                if not isinstance(meta, dict) or meta.get("version") != FORMAT_VERSION:
+                    raise ValueError("unknown format version")
+                out.append(meta)
+            except (OSError, ValueError) as e:
+                log.warning("disk tier: ignoring %s (%s)", os.path.join(self.root, name), e)
+        return out
+
+    def new_class(self, layout_class: str, block_bytes: int, world_size: int, blocks_per_slab: int) -> ClassStore:
+        """A class with no files yet (its directory is created); visible to other threads only once open."""
+        store = ClassStore(self.root, layout_class, block_bytes, world_size, blocks_per_slab, self.direct)
+        store.open_new()
+        self.classes[layout_class] = store
+        return store
+
+    def recover(self, layout_class: str, block_bytes: int, world_size: int, blocks_per_slab: int, max_slabs: int) -> Recovered:
+        """One class found at start-up; a class whose files were made with another geometry is
+        started empty (its files are removed)."""
+        t0 = time.monotonic()
+        store = ClassStore(self.root, layout_class, block_bytes, world_size, blocks_per_slab, self.direct)
+        meta = self._meta_of(store)
+        if meta != store.meta():
+            n = len(store._replay({}))
+            for name in os.listdir(store.dir):
+                os.unlink(os.path.join(store.dir, name))
+            self.new_class(layout_class, block_bytes, world_size, blocks_per_slab)
+            return Recovered(layout_class, block_bytes, [], {"files made with another geometry": n} if n else {})
+        got = store.recover(max_slabs)
+        self.classes[layout_class] = store
+        log.debug("disk tier: %s recovered in %.3f s", layout_class, time.monotonic() - t0)
+        return got
+
+    @staticmethod
+    def _meta_of(store: ClassStore) -> dict[str, object] | None:
+        try:
+            with open(os.path.join(store.dir, META), "rb") as f:
+                meta = json.loads(f.read())
+            return meta if isinstance(meta, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        for store in self.classes.values():
+            store.close()

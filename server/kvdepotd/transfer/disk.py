@@ -1,0 +1,123 @@
+"""The disk copy engine: host arena <-> disk slab files, on its own thread pool.
+
+    submit(jobs)    DiskJobs from the Depot (WRITE: host slot -> disk slot; READ: disk slot -> the
+                    host slot a load waits on); returns at once
+    on_done         (job id, failed hashes, corrupt hashes, message), called on the event loop
+    forget(drops)   journals the removal of dropped disk blocks (on the event loop: one small append)
+    close()         waits for running jobs, then syncs and closes the files
+
+Writes checksum the host bytes (xxh3 per rank) and compare with the checksums the host tier took at
+store time: a mismatch means the host copy went bad, and the block is not written. Reads verify the
+disk header and data, then hand the checksums to the host tier, where the load checks them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvdepotd.core.depot import DiskJob, DiskJobKind
+from kvdepotd.storage.checksum import xxh3_at
+from kvdepotd.storage.disk import ClassStore, DiskStore
+from kvdepotd.storage.host_arena import HostArena
+
+log = logging.getLogger("kvdepotd")
+DoneFn = Callable[[int, set[int], set[int], str], None]
+Result = tuple[set[int], set[int], str]
+
+
+class DiskCopyEngine:
+    def __init__(self, on_done: DoneFn, arena: HostArena, store: DiskStore, threads: int = 2, observe: Callable[[str, int, float], None] | None = None) -> None:
+        self.on_done = on_done
+        self.arena = arena
+        self.store = store
+        self.observe = observe or (lambda kind, nbytes, seconds: None)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-disk")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._class_lock = threading.Lock()
+
+    def submit(self, jobs: list[DiskJob]) -> None:
+        if not jobs:
+            return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        loop = self._loop
+        for job in jobs:
+
+            def finished(fut: Future[Result], job: DiskJob = job) -> None:
+                loop.call_soon_threadsafe(self._done, job, fut)
+
+            self._pool.submit(self._run, job).add_done_callback(finished)
+
+    def forget(self, drops: Sequence[tuple[str, int, int]]) -> None:
+        for layout_class, h, slot in drops:
+            store = self.store.classes.get(layout_class)
+            if store is not None:
+                store.forget(slot, h)
+
+    def _done(self, job: DiskJob, fut: Future[Result]) -> None:
+        try:
+            failed, corrupt, message = fut.result()
+        except Exception as e:  # a bug or an I/O error we did not expect: the job's blocks fail
+            log.exception("disk %s job %d failed", job.kind.value.lower(), job.job_id)
+            failed, corrupt, message = {it.hash for it in job.items}, set(), f"disk I/O failed: {e}"
+        self.on_done(job.job_id, failed, corrupt, message)
+
+    def _class(self, job: DiskJob) -> ClassStore:
+        dom = job.domain
+        store = self.store.classes.get(dom.layout_class)
+        if store is None:
+            with self._class_lock:
+                store = self.store.classes.get(dom.layout_class)
+                if store is None:
+                    assert dom.disk is not None
+                    store = self.store.new_class(dom.layout_class, dom.block_bytes, dom.world_size, dom.disk.pool.blocks_per_slab)
+        return store
+
+    # -- the jobs (disk threads) ------------------------------------------------------------------
+    def _run(self, job: DiskJob) -> Result:
+        t0 = time.perf_counter()
+        store = self._class(job)
+        out = self._write(job, store) if job.kind is DiskJobKind.WRITE else self._read(job, store)
+        moved = len(job.items) - len(out[0] | out[1])
+        self.observe(job.kind.value.lower(), moved * store.block_bytes, time.perf_counter() - t0)
+        return out
+
+    def _write(self, job: DiskJob, store: ClassStore) -> Result:
+        dom = job.domain
+        pool, arena = dom.registry.pool, self.arena
+        rb, cls = store.rank_bytes, dom.layout_class
+        blocks = []
+        corrupt: set[int] = set()
+        for it in job.items:
+            addr = arena.base + pool.byte_offset(it.host_slot)
+            sums = [int(xxh3_at(addr + r * rb, rb)) for r in range(store.world_size)]
+            known = [arena.checksums.get((cls, it.host_slot, r)) for r in range(store.world_size)]
+            if any(k is not None and k != s for k, s in zip(known, sums)):
+                corrupt.add(it.hash)
+                continue
+            blocks.append((it.disk_slot, it.hash, it.parent, addr, sums))
+        failed = store.write(blocks) if blocks else set()
+        store.maybe_compact()
+        return failed, corrupt, "host bytes failed their checksum" if corrupt else ("disk write failed" if failed else "")
+
+    def _read(self, job: DiskJob, store: ClassStore) -> Result:
+        dom = job.domain
+        pool, arena, cls = dom.registry.pool, self.arena, dom.layout_class
+        blocks = [(it.disk_slot, it.hash, arena.base + pool.byte_offset(it.host_slot)) for it in job.items]
+        failed, corrupt, sums = store.read(blocks)
+        for it in job.items:
+            got = sums.get(it.hash)
+            if got is not None:
+                for r, s in enumerate(got):
+                    arena.checksums[(cls, it.host_slot, r)] = s
+        message = "checksum mismatch in the disk tier" if corrupt else ("disk read failed" if failed else "")
+        return failed, corrupt, message
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._pool.shutdown, wait=True)
+        self.store.close()

@@ -1,0 +1,180 @@
+"""The disk tier over a real daemon process, real slab files and FakeEngine's real KV bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvdepot import DepotClient, KvLayout
+from kvdepot.testing import DaemonProcess, FakeEngine
+
+pytestmark = pytest.mark.integration
+
+# 4 layers x 2 heads x 8 x fp16 x 16 tokens x K,V = 4096 bytes: O_DIRECT straight from the host arena.
+ALIGNED = KvLayout(num_layers=4, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")
+# 3 layers: 3072 bytes, not a multiple of 4 KiB: through the bounce buffer.
+UNALIGNED = KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_flash")
+
+
+def start(disk_dir: str, *extra: str) -> DaemonProcess:
+    return DaemonProcess(args=["--disk-dir", disk_dir, "--disk-gib", "0.02", "--disk-slab-mib", "1", *extra]).start()
+
+
+def engine(d: DaemonProcess, lay: KvLayout, model: str = "disk-model", **kw: object) -> FakeEngine:
+    c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+    c.register_engine(model, lay)
+    e = FakeEngine(c, layout=lay, **kw)  # type: ignore[arg-type]
+    for w in e.workers:
+        assert w.attached.wait(5)
+    return e
+
+
+def close(e: FakeEngine) -> None:
+    e.client.close()
+    assert e.kv is not None
+    e.kv.close()
+
+
+def wait_counter(c: DepotClient, name: str, at_least: int, timeout_s: float = 10.0) -> int:
+    end = time.monotonic() + timeout_s
+    while (v := c.stats().counters[name]) < at_least:
+        assert time.monotonic() < end, f"{name} stayed at {v} (< {at_least})"
+        time.sleep(0.02)
+    return v
+
+
+def disk_pool(c: DepotClient) -> tuple[int, int]:
+    """(used, capacity) blocks of the one disk pool."""
+    from kvdepot.v1 import kvdepot_pb2 as pb
+
+    (p,) = [p for p in c.stats().pools if p.tier == pb.TIER_DISK]
+    return p.used_blocks, p.capacity_blocks
+
+
+def stop_clean(d: DaemonProcess) -> None:
+    assert d.stop() == 0
+    assert "Traceback" not in d.log(), d.log()
+
+
+@pytest.mark.parametrize("lay", [ALIGNED, UNALIGNED], ids=["aligned", "bounce"])
+def test_prompt_evicted_from_host_is_loaded_byte_exact_from_disk(tmp_path: str, lay: KvLayout) -> None:
+    host_gib = str(64 * lay.block_bytes / 2**30)  # 64 host blocks: the next prompts push the first out
+    d = start(str(tmp_path), "--host-gib", host_gib, "--slab-mib", "1", "--disk-admit-after", "1")
+    try:
+        e = engine(d, lay)
+        first_prompt = list(range(1000, 1000 + 20 * 16 + 5))
+        first = e.generate(first_prompt, max_new_tokens=2)
+        for k in range(4):  # 80 more blocks through a 64-block host tier (write-back past 80%)
+            e.generate(list(range(50_000 + k * 1000, 50_000 + k * 1000 + 20 * 16 + 5)), max_new_tokens=1)
+        c = e.client
+        wait_counter(c, "disk_written_blocks", 20)
+        assert c.stats().counters["evictions"] > 0
+        e.reset_prefix_cache()
+        e.stats.loaded_tokens = 0
+        again = e.generate(first_prompt, max_new_tokens=2)
+        assert e.stats.loaded_tokens == 20 * 16 and e.stats.failed_load_blocks == 0
+        assert e.stats.kv_mismatched_tokens == 0 and again.output == first.output
+        counters = c.stats().counters
+        assert counters["disk_read_blocks"] > 0 and counters["lookup_disk_hit_tokens"] > 0
+        e.check()
+        close(e)
+    finally:
+        stop_clean(d)
+
+
+def test_blocks_survive_a_restart_and_a_clean_shutdown_loses_nothing(tmp_path: str) -> None:
+    d = start(str(tmp_path), "--disk-admit-after", "1")  # write-back: nothing is written until shutdown
+    e = engine(d, ALIGNED)
+    p = list(range(3000, 3000 + 10 * 16 + 3))
+    first = e.generate(p, max_new_tokens=2)
+    assert e.client.stats().counters["disk_written_blocks"] == 0
+    close(e)
+    stop_clean(d)  # the flush writes the admitted host blocks
+    assert "recovered 0 blocks" in d.log()
+    out = subprocess.run([sys.executable, "-m", "kvdepotd", "check-disk", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"classes": 1, "listed": 10, "valid": 10, "bad": 0}
+
+    d = start(str(tmp_path), "--disk-admit-after", "1")
+    try:
+        e = engine(d, ALIGNED)
+        s = e.client.stats()
+        assert (s.disk_recovered_blocks, s.disk_recovery_dropped_blocks) == (10, 0)
+        again = e.generate(p, max_new_tokens=2)
+        assert e.stats.loaded_tokens == 10 * 16 and e.stats.kv_mismatched_tokens == 0
+        assert again.output == first.output
+        close(e)
+    finally:
+        stop_clean(d)
+
+
+def test_corrupt_block_on_disk_is_caught_and_recomputed(tmp_path: str) -> None:
+    d = start(str(tmp_path), "--disk-policy", "write-through", "--disk-admit-after", "1")
+    try:
+        e = engine(d, ALIGNED)
+        c = e.client
+        p = list(range(9000, 9000 + 6 * 16 + 1))
+        first = e.generate(p, max_new_tokens=2)
+        wait_counter(c, "disk_written_blocks", 6)
+        (cls,) = [n for n in os.listdir(tmp_path) if os.path.isdir(os.path.join(tmp_path, n))]
+        slab = os.path.join(tmp_path, cls, "slab-00000.kv")
+        record = 4096 + ALIGNED.block_bytes
+        with open(slab, "r+b") as f:  # flip data bytes of the block in slot 2
+            f.seek(2 * record + 4096 + 100)
+            f.write(b"\xff" * 8)
+        c.clear("host")
+        e.reset_prefix_cache()
+        again = e.generate(p, max_new_tokens=2)
+        assert e.stats.failed_load_blocks >= 1 and e.stats.kv_mismatched_tokens == 0
+        assert again.output == first.output
+        assert c.stats().counters["disk_checksum_failures"] == 1
+        wait_counter(c, "disk_written_blocks", 7)  # dropped, recomputed, stored and written again
+        close(e)
+    finally:
+        stop_clean(d)
+
+
+def test_recovery_drops_what_the_files_do_not_back(tmp_path: str) -> None:
+    d = start(str(tmp_path), "--disk-policy", "write-through", "--disk-admit-after", "1")
+    e = engine(d, ALIGNED)
+    e.generate(list(range(100, 100 + 8 * 16 + 1)), max_new_tokens=1)
+    wait_counter(e.client, "disk_written_blocks", 8)
+    close(e)
+    stop_clean(d)
+    (cls,) = [n for n in os.listdir(tmp_path) if os.path.isdir(os.path.join(tmp_path, n))]
+    with open(os.path.join(tmp_path, cls, "slab-00000.kv"), "r+b") as f:  # a header that no longer matches
+        f.seek(3 * (4096 + ALIGNED.block_bytes) + 8)
+        f.write(b"\x01\x02")
+    with open(os.path.join(tmp_path, cls, "journal"), "ab") as f:  # a torn record at the end
+        f.write(b"\x01garbage")
+    d = start(str(tmp_path))
+    try:
+        c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+        s = c.stats()
+        assert (s.disk_recovered_blocks, s.disk_recovery_dropped_blocks) == (7, 1)
+        assert "dropped 1 (header does not match the journal)" in d.log()
+        c.close()
+    finally:
+        stop_clean(d)
+
+
+def test_bad_disk_configuration_fails_at_start_with_a_clear_message(tmp_path: str) -> None:
+    blocker = os.path.join(tmp_path, "file")
+    with open(blocker, "w") as f:
+        f.write("x")
+    with pytest.raises(RuntimeError, match="disk tier directory .* is not usable"):
+        DaemonProcess(args=["--disk-dir", os.path.join(blocker, "sub")]).start()
+    with pytest.raises(RuntimeError, match="the disk tier needs 100000.00 GiB"):
+        DaemonProcess(args=["--disk-dir", str(tmp_path), "--disk-gib", "100000"]).start()
+
+
+@pytest.fixture
+def tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:  # type: ignore[override]
+    yield str(tmp_path_factory.mktemp("disk"))
+
