@@ -228,3 +228,26 @@ def test_restore_refuses_slots_beyond_the_disk() -> None:
     sim = disk_sim(disk_blocks=8)
     assert not sim.depot.restore_disk(layout().layout_class, BLOCK, 1, [(1, None, 0), (2, 1, 64)])
     assert sim.depot.restore_disk(layout().layout_class, BLOCK, 1, [(1, None, 0), (2, 1, 7)])
+
+
+def test_a_long_disk_load_is_cut_into_ops_that_start_as_their_blocks_arrive() -> None:
+    sim = disk_sim(host_blocks=128, disk_blocks=128, disk_policy="write-through", disk_admit_after=1, disk_job_blocks=8)
+    toks = prompt(40 * BS + 1)
+    sim.prefill_and_store("a", toks)
+    run_disk(sim)
+    sim.depot.clear(host=True, disk=False)
+    assert sim.lookup("b", toks) == 40 * BS
+    plan = sim.step(sim.new("b", toks, E=40 * BS, S=1, table=list(range(200, 241))))
+    loads = [op for op in plan.ops if op.kind is OpKind.LOAD]
+    assert [len(op.block_indices) for op in loads] == [4] * 10 and all(op.held for op in loads)
+    jobs = sim.depot.take_disk_jobs(sim.now)
+    assert len(jobs) == 10
+    sim.depot.disk_job_done(jobs[0].job_id, set(), set())
+    ready = sim.depot.take_ready()
+    assert [op.op_id for op, _ in ready] == [loads[0].op_id]  # the first part copies while the rest is read
+    for op, r in ready:
+        sim.depot.complete_part(op.op_id, r)
+    for job in jobs[1:]:
+        sim.depot.disk_job_done(job.job_id, set(), set())
+    sim.run_copies()
+    assert sim.states("b")[:40] == [BlockState.LOADED] * 40

@@ -456,8 +456,8 @@ class Depot:
         hashes = [slot.hashes[i] for i in idx]
         tier_slots: list[SlotId | None] = []
         failed: set[int] = set()
-        staged: list[DiskItem] = []
-        waits: list[tuple[BlockHash, int]] = []  # (hash, position) of blocks staging for this load
+        staged: dict[int, DiskItem] = {}  # position -> the read this load starts
+        waits: dict[int, BlockHash] = {}  # position -> a block staging for this load (its own read or another's)
         for pos, (i, h) in enumerate(zip(idx, hashes)):
             self._sighting(dom, h)
             e = reg.state_of(h)
@@ -468,7 +468,7 @@ class Depot:
                 continue
             if e is not None and h in self._staging:  # another load is staging it: wait for the same read
                 tier_slots.append(e.slot)
-                waits.append((h, pos))
+                waits[pos] = h
                 continue
             d = disk.state_of(h) if disk is not None and e is None else None
             if d is not None and d.status is BlockStatus.RESIDENT and not d.doomed:
@@ -477,29 +477,34 @@ class Depot:
                 if hslot is not None:
                     disk.pin(h)  # type: ignore[union-attr]
                     tier_slots.append(hslot)
-                    staged.append(DiskItem(h, parent, hslot, d.slot))
+                    staged[pos] = DiskItem(h, parent, hslot, d.slot)
                     self._staging[h] = []
-                    waits.append((h, pos))
+                    waits[pos] = h
                     continue
             tier_slots.append(None)
             failed.add(i)
         self._release_pin(eng, slot.request_id)
         reg.touch(hashes)
         if disk is not None:
-            disk.touch([it.hash for it in staged])
-        op = self._new_op(eng, slot, OpKind.LOAD, idx, hashes, tier_slots, step, now_ms)
-        op.failed = failed
-        if failed:
-            op.message = "blocks not resident in any tier"
-        if waits:
-            op.staging = {idx[pos] for _, pos in waits}
-            op.held = True
-            for h, pos in waits:
-                self._staging[h].append((op, pos))
-        if staged:
-            self._disk_job(DiskJobKind.READ, dom, staged)
+            disk.touch([it.hash for it in staged.values()])
+        # With blocks to stage, the load is cut into ops of a read job's size: each starts copying into
+        # the engine as soon as its own blocks arrived, while the next ones are still being read.
+        n = max(1, self.config.disk_job_blocks // 2) if waits else len(idx)
+        for k in range(0, len(idx), n):
+            part = range(k, min(k + n, len(idx)))
+            op = self._new_op(eng, slot, OpKind.LOAD, idx[k : k + n], hashes[k : k + n], tier_slots[k : k + n], step, now_ms)
+            op.failed = {idx[p] for p in part if idx[p] in failed}
+            if op.failed:
+                op.message = "blocks not resident in any tier"
+            if mine := [p for p in part if p in waits]:
+                op.staging = {idx[p] for p in mine}
+                op.held = True
+                for p in mine:
+                    self._staging[waits[p]].append((op, p - k))
+            if items := [staged[p] for p in part if p in staged]:
+                self._disk_job(DiskJobKind.READ, dom, items)
+            self._add_op(eng, slot, op, plan)
         self.counters["load_blocks_planned"] += len(idx)
-        self._add_op(eng, slot, op, plan)
 
     def _plan_store(self, eng: Engine, slot: Slot, candidates: list[int], step: int, now_ms: int, plan: StepPlan) -> None:
         """Rule 3: check the registry before allocating; resident or in-flight hashes are skipped."""

@@ -115,6 +115,7 @@ class DiskCopyEngine:
             if got is not None:
                 for r, s in enumerate(got):
                     arena.checksums[(cls, it.host_slot, r)] = s
+                    arena.verified.add((cls, it.host_slot, r))
         message = "checksum mismatch in the disk tier" if corrupt else ("disk read failed" if failed else "")
         return failed, corrupt, message
 

@@ -1,0 +1,166 @@
+"""Disk-tier benchmark through the real daemon process, against plain O_DIRECT file I/O.
+
+The host-tier benchmark's model-like layout (32 layers, 8 kv heads, head size 128, fp16, 16-token
+blocks = 2 MiB per block) with --blocks blocks per round. The daemon runs write-through, admitting
+every block, with O_DIRECT. Each round, side by side in the same directory:
+  raw write      one O_DIRECT file of the same bytes, written sequentially in 64 MiB chunks, fdatasync'ed
+  write          engine -> host tier store, then timed: from the store's completion until the daemon
+                 reports every block written to disk (data, fdatasync, journal)
+  raw read       that file read back with O_DIRECT in 64 MiB chunks
+  read           after the host tier is cleared: a load planned by Step until its completion on the
+                 worker stream (disk -> host staging with checksum checks, then host -> engine)
+Prints one JSON line with write_gbps, read_gbps, raw_write_gbps, raw_read_gbps, write_ratio,
+read_ratio (medians over --repeat rounds; target: both ratios >= 0.7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from kvdepot import DepotClient, KvLayout, StepBatch
+from kvdepot.handles import remove_shm_files, share_cpu_tensors
+from kvdepot.messages import OpCompleted
+from kvdepot.testing import DaemonProcess
+
+LAYOUT = KvLayout(num_layers=32, num_kv_heads=8, head_size=128, dtype="float16", block_size=16, kind="vllm_cpu")
+CHUNK = 64 << 20
+
+
+def raw_write(path: str, nbytes: int, buf: mmap.mmap) -> float:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    try:
+        t0 = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            done += os.pwrite(fd, memoryview(buf)[: min(CHUNK, nbytes - done)], done)
+        os.fdatasync(fd)
+        return nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
+def raw_read(path: str, nbytes: int, buf: mmap.mmap) -> float:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        t0 = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [memoryview(buf)[: min(CHUNK, nbytes - done)]], done)
+            assert n > 0
+            done += n
+        return nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where the disk tier and the raw file go (default: the temp dir)")
+    args = ap.parse_args()
+    nb, bs = args.blocks, LAYOUT.block_size
+    nbytes = nb * LAYOUT.block_bytes
+    root = tempfile.mkdtemp(prefix="kvdepot-disk-bench-", dir=args.dir)
+    disk_dir = os.path.join(root, "tier")
+    raw_path = os.path.join(root, "raw.bin")
+    host_gib = (2 * nbytes + (64 << 20)) / 2**30
+    disk_gib = (args.repeat * nbytes * 1.05 + (512 << 20)) / 2**30
+    d = DaemonProcess(
+        args=["--log-level", "warning", "--host-gib", f"{host_gib:.3f}", "--disk-dir", disk_dir, "--disk-gib", f"{disk_gib:.3f}",
+              "--disk-policy", "write-through", "--disk-admit-after", "1"]
+    ).start(timeout_s=120)
+    paths: list[str] = []
+    buf = mmap.mmap(-1, CHUNK)
+    buf.write(os.urandom(CHUNK))
+    try:
+        c = DepotClient(d.tcp, strict=True, deadline_s=30.0)
+        c.register_engine("bench", LAYOUT)
+        w = c.worker(0)
+        assert w.attached.wait(10)
+        whole = torch.randn(LAYOUT.num_layers, nb + 1, LAYOUT.num_kv_heads, bs, 2 * LAYOUT.head_size).to(torch.float16)
+        req, paths = share_cpu_tensors([whole[layer] for layer in range(LAYOUT.num_layers)], nb + 1)
+        w.register_kv_caches(req)
+        table = list(range(nb + 1))
+        rows: dict[str, list[float]] = {k: [] for k in ("write", "read", "raw_write", "raw_read", "write_ratio", "read_ratio")}
+
+        seen: dict[int, OpCompleted] = {}
+
+        def wait_op(op_id: int) -> None:
+            if op_id not in seen:
+                evs = w.wait(lambda es: any(isinstance(e, OpCompleted) and e.op_id == op_id for e in es), 120)
+                seen.update({e.op_id: e for e in evs if isinstance(e, OpCompleted)})
+            ev = seen.pop(op_id)
+            assert ev.success, ev.message
+
+        for r in range(args.repeat):
+            toks = [r * 100_000 + i for i in range(nb * bs + 1)]  # fresh blocks each round
+            rows["raw_write"].append(raw_write(raw_path, nbytes, buf))
+            written = c.stats().counters["disk_written_blocks"]
+            b = StepBatch()
+            b.new(f"w{r}", toks, table, computed=0, scheduled=len(toks))
+            res = c.step(b)
+            [store] = [op for op in res.ops if op.kind == "store"]
+            w.forward_done(res.step)
+            wait_op(store.op_id)
+            t0 = time.perf_counter()
+            while c.stats().counters["disk_written_blocks"] < written + nb:
+                time.sleep(0.002)
+            rows["write"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+            fin = StepBatch()
+            fin.finished.append(f"w{r}")
+            c.step(fin)
+
+            rows["raw_read"].append(raw_read(raw_path, nbytes, buf))
+            c.clear("host")
+            hit = c.lookup(f"r{r}", toks)
+            assert hit.by_tier.get("disk") == nb * bs, hit
+            b = StepBatch()
+            b.new(f"r{r}", toks, table, computed=nb * bs, scheduled=1, loaded=nb * bs)
+            t0 = time.perf_counter()
+            res = c.step(b)
+            for load in [op for op in res.ops if op.kind == "load"]:  # one per read job: they overlap
+                wait_op(load.op_id)
+            rows["read"].append(nbytes / (time.perf_counter() - t0) / 1e9)
+            w.forward_done(res.step)
+            fin = StepBatch()
+            fin.finished.append(f"r{r}")
+            c.step(fin)
+            rows["write_ratio"].append(rows["write"][-1] / rows["raw_write"][-1])
+            rows["read_ratio"].append(rows["read"][-1] / rows["raw_read"][-1])
+        med = {k: round(statistics.median(v), 3) for k, v in rows.items()}
+        out = {
+            "bench": "disk_tier",
+            "bytes": nbytes,
+            "blocks": nb,
+            "block_mib": LAYOUT.block_bytes / 2**20,
+            "write_gbps": med["write"],
+            "read_gbps": med["read"],
+            "raw_write_gbps": med["raw_write"],
+            "raw_read_gbps": med["raw_read"],
+            "write_ratio": med["write_ratio"],
+            "read_ratio": med["read_ratio"],
+            "rounds": {k: [round(x, 3) for x in v] for k, v in rows.items()},
+        }
+        out["targets_met"] = out["write_ratio"] >= 0.7 and out["read_ratio"] >= 0.7
+        print(json.dumps(out))
+        c.close()
+    finally:
+        remove_shm_files(paths)
+        d.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
