@@ -16,12 +16,13 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL
     else pip install "$TORCH_SPEC"; fi \
  && pip install . \
  && useradd --system --uid 10001 kvdepot \
- && mkdir -p /run/kvdepot && chown kvdepot /run/kvdepot
+ && mkdir -p /run/kvdepot /var/lib/kvdepot && chown kvdepot /run/kvdepot /var/lib/kvdepot
 
 USER kvdepot
 EXPOSE 50061 9464
 # The same defaults as outside a container, except that it listens on all interfaces and on a
-# Unix socket in /run/kvdepot (share that folder with engine containers).
+# Unix socket in /run/kvdepot (share that folder with engine containers). A disk tier is off unless
+# asked for: KVDEPOT_DISK_DIR=/var/lib/kvdepot with a volume there (see docker-compose.yml).
 ENV KVDEPOT_LISTEN=0.0.0.0:50061,unix:/run/kvdepot/kvdepotd.sock \
     KVDEPOT_METRICS_LISTEN=0.0.0.0:9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \

@@ -174,6 +174,63 @@ def test_bad_disk_configuration_fails_at_start_with_a_clear_message(tmp_path: st
         DaemonProcess(args=["--disk-dir", str(tmp_path), "--disk-gib", "100000"]).start()
 
 
+def test_one_directory_serves_one_daemon(tmp_path: str) -> None:
+    d = start(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="another kvdepotd uses"):
+            start(str(tmp_path))
+    finally:
+        stop_clean(d)
+
+
+def test_metrics_and_inspection_cover_the_disk_tier(tmp_path: str) -> None:
+    import urllib.request
+
+    import grpc
+
+    from kvdepot.testing.daemon import free_port
+    from kvdepot.v1 import kvdepot_pb2 as pb
+    from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
+
+    port = free_port()
+    d = start(str(tmp_path), "--disk-policy", "write-through", "--disk-admit-after", "1", "--metrics-listen", f"127.0.0.1:{port}")
+    try:
+        e = engine(d, ALIGNED)
+        c = e.client
+        p = list(range(500, 500 + 4 * 16 + 1))
+        e.generate(p, max_new_tokens=1)
+        wait_counter(c, "disk_written_blocks", 4)
+        c.clear("host")
+        from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
+
+        h = block_hashes(tokens_to_bytes(p), 16, scope_seed(salt_hash(), "", "disk-model"))[0]
+        assert list(c.block(h).tiers) == [pb.TIER_DISK]
+        assert disk_pool(c)[0] == 4
+        e.reset_prefix_cache()
+        e.generate(p, max_new_tokens=1)
+        assert list(c.block(h).tiers) == [pb.TIER_HOST, pb.TIER_DISK]  # staged: now in both
+        with grpc.insecure_channel(d.tcp) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                pb_grpc.BlockManagerStub(ch).Clear(pb.ClearRequest(tier=7), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a tier" in (err.value.details() or "")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for name in (
+            'kvdepot_pool_used_blocks{layout_class="' + ALIGNED.layout_class + '",tier="disk"} 4.0',
+            "kvdepot_disk_admitted_blocks_total 4.0",
+            "kvdepot_disk_written_blocks_total 4.0",
+            "kvdepot_disk_read_blocks_total 4.0",
+            "kvdepot_disk_checksum_failures_total 0.0",
+            'kvdepot_disk_io_bytes_total{op="write"} ' + f"{4 * ALIGNED.block_bytes}.0",
+            'kvdepot_disk_io_duration_seconds_count{op="read"}',
+            "kvdepot_disk_recovered_blocks 0.0",
+            "kvdepot_disk_tier_bytes",
+        ):
+            assert name in text, name
+        close(e)
+    finally:
+        stop_clean(d)
+
+
 @pytest.fixture
 def tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:  # type: ignore[override]
     yield str(tmp_path_factory.mktemp("disk"))

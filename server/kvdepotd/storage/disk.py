@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -522,6 +523,12 @@ class DiskStore:
             os.unlink(probe)
         except OSError as e:
             raise DiskError(f"the disk tier directory {root} is not usable: {e.strerror}") from None
+        self._lock_fd = os.open(os.path.join(root, "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # held until the process ends, however it ends
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise DiskError(f"another kvdepotd uses {root} (it holds {os.path.join(root, 'lock')})") from None
         ours = sum(os.stat(os.path.join(d, f)).st_size for d, _, fs in os.walk(root) for f in fs)
         st = os.statvfs(root)
         free = st.f_bavail * st.f_frsize + ours
@@ -584,3 +591,4 @@ class DiskStore:
     def close(self) -> None:
         for store in self.classes.values():
             store.close()
+        os.close(self._lock_fd)
