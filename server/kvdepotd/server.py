@@ -119,6 +119,7 @@ def recover_disk(depot: Depot, store: DiskStore) -> Recovery:
             got.dropped["could not be restored"] = len(got.blocks)
             for h, _, slot in got.blocks:
                 store.classes[cls].forget(slot, h)
+            store.classes[cls].flush_removes()
             got.blocks = []
         rec.blocks += len(got.blocks)
         for reason, n in got.dropped.items():

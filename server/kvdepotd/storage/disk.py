@@ -19,8 +19,10 @@ listed block and drops any whose header does not say exactly what the journal sa
 never repaired: a doubtful block is dropped (KV can be recomputed), and every read checks the
 data against the header's checksums before the block is served.
 
-Thread safety: reads and writes run on the disk copy engine's threads, forget() on the event
-loop; the journal and the live map are guarded by one lock.
+Thread safety: reads, writes and journal I/O run on the disk copy engine's threads (journal I/O
+under one lock); forget() runs on the event loop and only queues the REMOVE under a short lock
+that no I/O is done under, so the loop never waits for a disk. Queued removals reach the journal
+(synced) before any slot is rewritten: every write job flushes them first.
 """
 
 from __future__ import annotations
@@ -109,13 +111,15 @@ class ClassStore:
         self.dir = os.path.join(root, class_dir_name(layout_class))
         self.live: dict[int, Live] = {}  # slot -> what the journal lists there
         self.gen = 1
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # live, gen, pending removals: held for no I/O
+        self._io_lock = threading.Lock()  # the journal file: appends, syncs, compaction
+        self._pending: list[bytes] = []  # REMOVE records not yet in the journal
         self._slabs: dict[int, int] = {}  # slab number -> fd
         self._slab_lock = threading.Lock()
         self._journal_fd = -1
         self._records = 0  # records in the journal file
-        self._removes_unsynced = False
         self._tls = threading.local()
+        self.compact_after = 65_536  # dead records tolerated before the journal is rewritten
 
     # -- files ---------------------------------------------------------------------------------
     def meta(self) -> dict[str, object]:
@@ -205,7 +209,7 @@ class ClassStore:
         return body + struct.pack("<Q", xxh3_bytes(body))
 
     def _append(self, data: bytes) -> None:
-        """One write of whole records (the caller holds the lock)."""
+        """One write of whole records (the caller holds the I/O lock)."""
         os.write(self._journal_fd, data)
         self._records += len(data) // REC_BYTES
 
@@ -294,25 +298,21 @@ class ClassStore:
             return None
         return self.parse_header(heads[:DISK_HEADER_BYTES]) if n == DISK_HEADER_BYTES else None
 
-    def _rewrite_journal(self) -> None:
+    def _rewrite_journal(self, live: dict[int, Live] | None = None) -> None:
         """A journal that lists exactly the live blocks, swapped in atomically."""
-        data = b"".join(self._record(ADD, slot, e.gen, e.hash, e.parent) for slot, e in self.live.items())
+        live = self.live if live is None else live
+        data = b"".join(self._record(ADD, slot, e.gen, e.hash, e.parent) for slot, e in live.items())
         _write_atomic(os.path.join(self.dir, JOURNAL), data)
-        _write_atomic(os.path.join(self.dir, META), json.dumps(self.meta()).encode())
         if self._journal_fd >= 0:
             os.close(self._journal_fd)
         self._journal_fd = os.open(os.path.join(self.dir, JOURNAL), os.O_WRONLY | os.O_APPEND)
-        self._records = len(self.live)
+        self._records = len(live)
 
     # -- the data path (copy threads) ----------------------------------------------------------------
     def write(self, blocks: Sequence[tuple[int, int, int | None, int, list[int]]]) -> set[int]:
         """(slot, hash, parent, source address, rank checksums) per block: writes the records, then
         lists them in the journal. Returns the hashes that could not be written."""
-        with self._lock:
-            sync = self._removes_unsynced
-            self._removes_unsynced = False
-        if sync:
-            os.fdatasync(self._journal_fd)  # delete last: removals are durable before slots are reused
+        self.flush_removes()  # delete last: removals are durable before any slot is rewritten
         failed: set[int] = set()
         written: list[tuple[int, int, int | None, int]] = []
         touched: set[int] = set()
@@ -331,8 +331,9 @@ class ClassStore:
         for fd in touched:
             os.fdatasync(fd)  # data first
         if written:
-            with self._lock:  # pointer second
+            with self._io_lock:  # pointer second
                 self._append(b"".join(self._record(ADD, s, g, h, p) for s, h, p, g in written))
+            with self._lock:
                 for s, h, p, g in written:
                     self.live[s] = Live(h, p, g)
         return failed
@@ -428,27 +429,41 @@ class ClassStore:
         return out
 
     # -- removal, compaction, shutdown ---------------------------------------------------------------
-    def forget(self, slot: int, h: int) -> None:
-        """The block at `slot` is no longer listed (its slot may be rewritten after the next sync)."""
+    def forget(self, slot: int, h: int) -> bool:
+        """The block at `slot` is no longer listed; its REMOVE is queued (True) for flush_removes."""
         with self._lock:
             e = self.live.get(slot)
             if e is None or e.hash != h:
-                return
+                return False
             del self.live[slot]
-            self._append(self._record(REMOVE, slot, e.gen, h, e.parent))
-            self._removes_unsynced = True
+            self._pending.append(self._record(REMOVE, slot, e.gen, h, e.parent))
+            return True
+
+    def flush_removes(self, sync: bool = True) -> None:
+        """Queued REMOVEs into the journal (and synced, so the slots may be rewritten)."""
+        with self._io_lock:
+            with self._lock:
+                data = b"".join(self._pending)
+                self._pending.clear()
+            if data:
+                self._append(data)
+                if sync:
+                    os.fdatasync(self._journal_fd)
 
     def maybe_compact(self) -> bool:
         """Rewrites the journal when most of its records are dead (a copy thread calls this)."""
-        with self._lock:
-            if self._records < 4 * len(self.live) + 65_536:
-                return False
-            self._rewrite_journal()
-            self._removes_unsynced = False
+        with self._io_lock:
+            with self._lock:
+                if self._records < 4 * len(self.live) + self.compact_after:
+                    return False
+                live = dict(self.live)  # queued removals are not in it: they need no record any more
+                self._pending.clear()
+            self._rewrite_journal(live)
         return True
 
     def close(self) -> None:
-        with self._lock:
+        self.flush_removes(sync=False)
+        with self._io_lock:
             if self._journal_fd >= 0:
                 os.fsync(self._journal_fd)
                 os.close(self._journal_fd)

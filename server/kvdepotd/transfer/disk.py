@@ -54,10 +54,14 @@ class DiskCopyEngine:
             self._pool.submit(self._run, job).add_done_callback(finished)
 
     def forget(self, drops: Sequence[tuple[str, int, int]]) -> None:
+        """Queues the removals (no I/O on the event loop) and has a disk thread journal them."""
+        queued: set[str] = set()
         for layout_class, h, slot in drops:
             store = self.store.classes.get(layout_class)
-            if store is not None:
-                store.forget(slot, h)
+            if store is not None and store.forget(slot, h):
+                queued.add(layout_class)
+        for layout_class in queued:
+            self._pool.submit(self.store.classes[layout_class].flush_removes)
 
     def _done(self, job: DiskJob, fut: Future[Result]) -> None:
         try:
@@ -110,6 +114,8 @@ class DiskCopyEngine:
         pool, arena, cls = dom.registry.pool, self.arena, dom.layout_class
         blocks = [(it.disk_slot, it.hash, arena.base + pool.byte_offset(it.host_slot)) for it in job.items]
         failed, corrupt, sums = store.read(blocks)
+        if corrupt:
+            store.flush_removes()
         for it in job.items:
             got = sums.get(it.hash)
             if got is not None:
