@@ -31,7 +31,7 @@ PROMPT_BLOCKS = 12
 def daemon(disk_dir: str) -> tuple[DaemonProcess, float]:
     t0 = time.monotonic()
     d = DaemonProcess(
-        args=["--disk-dir", disk_dir, "--disk-gib", "0.25", "--disk-slab-mib", "4", "--host-gib", "0.03",
+        args=["--disk-dir", disk_dir, "--disk-gib", "0.5", "--disk-slab-mib", "4", "--host-gib", "0.03",
               "--disk-policy", "write-through", "--disk-admit-after", "1"]
     ).start(timeout_s=START_BOUND_S)
     return d, time.monotonic() - t0
@@ -61,6 +61,7 @@ def close(e: FakeEngine) -> None:
 def test_sigkill_during_heavy_writes_never_loses_the_index_or_serves_a_corrupt_block(tmp_path_factory: pytest.TempPathFactory) -> None:
     disk_dir = str(tmp_path_factory.mktemp("crash"))
     written: list[tuple[int, int]] = []  # (round, k) of prompts whose blocks were written before a kill
+    reported = 0  # blocks the daemons reported written (the disk is large enough that none is evicted)
     starts: list[float] = []
     for round_no, delay in enumerate(KILL_POINTS):
         d, took = daemon(disk_dir)
@@ -99,8 +100,10 @@ def test_sigkill_during_heavy_writes_never_loses_the_index_or_serves_a_corrupt_b
         close(e)
         if before >= PROMPT_BLOCKS and done:
             written.append((round_no, done[0]))  # its blocks were written (and listed) before the kill
+        reported += before
         result = verify(disk_dir)
         assert result["bad"] == 0, f"round {round_no} (killed after {delay:.2f} s): {result}"
+        assert result["listed"] >= reported, f"round {round_no}: blocks reported written are missing from the index"
         print(f"round {round_no}: killed {delay:.2f} s into the writes, {before} blocks written, start {took:.2f} s, {result}")
     assert len(written) >= len(KILL_POINTS) // 2, "too few rounds wrote a whole prompt before the kill"
 

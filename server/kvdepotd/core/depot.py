@@ -51,7 +51,7 @@ COUNTERS = (
     "ops_expired", "cleared_blocks", "evictions",
     "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
     "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
-    "disk_full", "disk_evictions",
+    "disk_full", "disk_evictions", "disk_write_missed_blocks",
 )
 DISK_HEADER_BYTES = 4096  # one header per block on disk, before its data
 DISK_ALIGN = 4096  # O_DIRECT alignment of every offset and length on disk
@@ -881,8 +881,11 @@ class Depot:
             while dom.demote and len(items) < cfg.disk_job_blocks:
                 h, _ = dom.demote.popitem(last=False)
                 e = host.state_of(h)
-                if e is None or e.status is not BlockStatus.RESIDENT or e.doomed or disk.state_of(h) is not None:
-                    continue  # gone from the host tier, or on disk already
+                if e is None or e.status is not BlockStatus.RESIDENT or e.doomed:
+                    self.counters["disk_write_missed_blocks"] += 1  # evicted from the host tier before its turn
+                    continue
+                if disk.state_of(h) is not None:
+                    continue
                 dslot = disk.prepare_store(h, e.parent)
                 if dslot is None:  # the disk is full of pinned or in-flight blocks: try again later
                     self.counters["disk_full"] += 1
@@ -932,10 +935,11 @@ class Depot:
         elif stored:
             self.counters["disk_rejected_blocks"] += 1
 
-    @staticmethod
-    def _prune_demote(dom: Domain) -> None:
+    def _prune_demote(self, dom: Domain) -> None:
         host = dom.registry
+        before = len(dom.demote)
         dom.demote = OrderedDict((h, None) for h in dom.demote if (e := host.state_of(h)) is not None and e.status is BlockStatus.RESIDENT)
+        self.counters["disk_write_missed_blocks"] += before - len(dom.demote)
 
     def _release_slot(self, eng: Engine, rid: RequestId) -> None:
         del eng.slots[rid]

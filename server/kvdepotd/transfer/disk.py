@@ -39,9 +39,14 @@ class DiskCopyEngine:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-disk")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._class_lock = threading.Lock()
+        self._closed = False
 
     def submit(self, jobs: list[DiskJob]) -> None:
         if not jobs:
+            return
+        if self._closed:  # a late RPC during shutdown: its jobs fail, nothing touches the files
+            for job in jobs:
+                self.on_done(job.job_id, {it.hash for it in job.items}, set(), "the daemon is shutting down")
             return
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
@@ -61,7 +66,8 @@ class DiskCopyEngine:
             if store is not None and store.forget(slot, h):
                 queued.add(layout_class)
         for layout_class in queued:
-            self._pool.submit(self.store.classes[layout_class].flush_removes)
+            if not self._closed:  # else close() flushes them
+                self._pool.submit(self.store.classes[layout_class].flush_removes)
 
     def _done(self, job: DiskJob, fut: Future[Result]) -> None:
         try:
@@ -126,5 +132,6 @@ class DiskCopyEngine:
         return failed, corrupt, message
 
     async def close(self) -> None:
+        self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)
         self.store.close()
