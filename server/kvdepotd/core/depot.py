@@ -55,6 +55,7 @@ COUNTERS = (
 )
 DISK_HEADER_BYTES = 4096  # one header per block on disk, before its data
 DISK_ALIGN = 4096  # O_DIRECT alignment of every offset and length on disk
+DISK_MAX_RANKS = 500  # a block header holds one checksum per rank: wider engines get no disk tier
 DISK_POLICIES = ("write-back", "write-through")
 SEEN_CAP = 1 << 18  # hashes the admission window remembers per layout class
 
@@ -778,7 +779,7 @@ class Depot:
             policy = self.config.eviction_policy
             pool = BlockPool(layout_class, block_bytes, self.host_arena)
             d = Domain(layout_class, block_bytes, world_size, BlockRegistry(pool, make_eviction_policy(policy)))
-            if self.config.disk_bytes:
+            if self.config.disk_bytes and world_size <= DISK_MAX_RANKS:
                 dpool = BlockPool(layout_class, disk_record_bytes(block_bytes), self.disk_arena)
                 d.disk = BlockRegistry(dpool, make_eviction_policy(policy), track_drops=True)
             self.domains[layout_class] = d

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdepotd.core.depot import DISK_ALIGN, DISK_HEADER_BYTES, disk_record_bytes
+from kvdepotd.core.depot import DISK_ALIGN, DISK_HEADER_BYTES, DISK_MAX_RANKS, disk_record_bytes
 from kvdepotd.storage.checksum import xxh3_at, xxh3_bytes
 
 log = logging.getLogger("kvdepotd")
@@ -52,6 +52,7 @@ MAGIC = b"KVDPBLK1"
 # magic, generation, hash, parent, has_parent, ranks, data bytes; then ranks x u64 checksums, then u64 header checksum
 _HEAD = struct.Struct("<8sQQQB3xIQ")
 MAX_RANKS = (DISK_HEADER_BYTES - _HEAD.size - 8) // 8
+assert MAX_RANKS >= DISK_MAX_RANKS, "the core plans disk blocks for engines whose checksums do not fit a header"
 # kind, slot, generation, hash, parent, has_parent; then u64 checksum of those bytes
 _REC = struct.Struct("<BQQQQB")
 REC_BYTES = _REC.size + 8

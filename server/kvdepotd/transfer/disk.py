@@ -3,7 +3,8 @@
     submit(jobs)    DiskJobs from the Depot (WRITE: host slot -> disk slot; READ: disk slot -> the
                     host slot a load waits on); returns at once
     on_done         (job id, failed hashes, corrupt hashes, message), called on the event loop
-    forget(drops)   journals the removal of dropped disk blocks (on the event loop: one small append)
+    forget(drops)   the removal of dropped disk blocks: queued on the event loop (no I/O there),
+                    journaled and synced by a disk thread
     close()         waits for running jobs, then syncs and closes the files
 
 Writes checksum the host bytes (xxh3 per rank) and compare with the checksums the host tier took at
