@@ -342,10 +342,15 @@ class ClassStore:
     def read(self, blocks: Sequence[tuple[int, int, int]]) -> tuple[set[int], set[int], dict[int, list[int]]]:
         """(slot, hash, destination address) per block. Returns (failed, corrupt, checksums by hash):
         failed blocks could not be read; corrupt ones were read but their header or data did not
-        check out (they are removed from the journal at once)."""
+        check out (they are removed from the journal at once). read_raw() then check()."""
+        failed, got = self.read_raw(blocks)
+        corrupt, sums = self.check(got)
+        return failed, corrupt, sums
+
+    def read_raw(self, blocks: Sequence[tuple[int, int, int]]) -> tuple[set[int], list[tuple[int, int, int, bytes]]]:
+        """The I/O half of read(): (failed hashes, [(slot, hash, address, raw header)] of the rest)."""
         failed: set[int] = set()
-        corrupt: set[int] = set()
-        sums: dict[int, list[int]] = {}
+        got: list[tuple[int, int, int, bytes]] = []
         for run in self._runs(sorted(blocks, key=lambda b: b[0])):
             slab, index = divmod(run[0][0], self.blocks_per_slab)
             try:
@@ -354,22 +359,26 @@ class ClassStore:
                 log.warning("disk tier: reading %d blocks from %s failed: %s", len(run), self.slab_path(slab), e)
                 failed.update(b[1] for b in run)
                 continue
-            for (slot, h, addr), raw in zip(run, heads):
-                with self._lock:
-                    want = self.live.get(slot)
-                got = self.parse_header(raw)
-                ok = want is not None and got is not None and got[:2] == (want.gen, h) and want.hash == h
-                if ok:
-                    assert got is not None
-                    rb = self.rank_bytes
-                    ok = all(xxh3_at(addr + r * rb, rb) == s for r, s in enumerate(got[3]))
-                if ok:
-                    assert got is not None
-                    sums[h] = got[3]
-                else:
-                    corrupt.add(h)
-                    self.forget(slot, h)
-        return failed, corrupt, sums
+            got += [(slot, h, addr, raw) for (slot, h, addr), raw in zip(run, heads)]
+        return failed, got
+
+    def check(self, got: list[tuple[int, int, int, bytes]]) -> tuple[set[int], dict[int, list[int]]]:
+        """The checking half of read(): each header must say what the journal says and the data
+        must match the header's checksums. Returns (corrupt hashes, checksums by hash)."""
+        corrupt: set[int] = set()
+        sums: dict[int, list[int]] = {}
+        rb = self.rank_bytes
+        for slot, h, addr, raw in got:
+            with self._lock:
+                want = self.live.get(slot)
+            head = self.parse_header(raw)
+            ok = want is not None and head is not None and head[:2] == (want.gen, h) and want.hash == h
+            if ok and head is not None and all(xxh3_at(addr + r * rb, rb) == s for r, s in enumerate(head[3])):
+                sums[h] = head[3]
+            else:
+                corrupt.add(h)
+                self.forget(slot, h)
+        return corrupt, sums
 
     def _runs(self, blocks: list[Any]) -> Iterator[list[Any]]:
         """Consecutive slots of one slab, at most run_records() long."""

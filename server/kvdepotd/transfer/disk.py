@@ -7,7 +7,8 @@
                     journaled and synced by a disk thread
     close()         waits for running jobs, then syncs and closes the files
 
-Writes checksum the host bytes (xxh3 per rank) and compare with the checksums the host tier took at
+Reads are issued in order by one reader thread (one sequential stream, as the disk likes it) and
+checked on the pool's threads, so checking a chunk overlaps reading the next. Writes checksum the host bytes (xxh3 per rank) and compare with the checksums the host tier took at
 store time: a mismatch means the host copy went bad, and the block is not written. Reads verify the
 disk header and data, then hand the checksums to the host tier, where the load checks them again.
 """
@@ -38,6 +39,7 @@ class DiskCopyEngine:
         self.store = store
         self.observe = observe or (lambda kind, nbytes, seconds: None)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-disk")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-read")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._class_lock = threading.Lock()
         self._closed = False
@@ -57,7 +59,10 @@ class DiskCopyEngine:
             def finished(fut: Future[Result], job: DiskJob = job) -> None:
                 loop.call_soon_threadsafe(self._done, job, fut)
 
-            self._pool.submit(self._run, job).add_done_callback(finished)
+            if job.kind is DiskJobKind.WRITE:
+                self._pool.submit(self._write, job).add_done_callback(finished)
+            else:
+                self._reader.submit(self._read, job, finished)
 
     def forget(self, drops: Sequence[tuple[str, int, int]]) -> None:
         """Queues the removals (no I/O on the event loop) and has a disk thread journal them."""
@@ -90,15 +95,14 @@ class DiskCopyEngine:
         return store
 
     # -- the jobs (disk threads) ------------------------------------------------------------------
-    def _run(self, job: DiskJob) -> Result:
-        t0 = time.perf_counter()
-        store = self._class(job)
-        out = self._write(job, store) if job.kind is DiskJobKind.WRITE else self._read(job, store)
+    def _observe(self, job: DiskJob, store: ClassStore, out: Result, t0: float) -> Result:
         moved = len(job.items) - len(out[0] | out[1])
         self.observe(job.kind.value.lower(), moved * store.block_bytes, time.perf_counter() - t0)
         return out
 
-    def _write(self, job: DiskJob, store: ClassStore) -> Result:
+    def _write(self, job: DiskJob) -> Result:
+        t0 = time.perf_counter()
+        store = self._class(job)
         dom = job.domain
         pool, arena = dom.registry.pool, self.arena
         rb, cls = store.rank_bytes, dom.layout_class
@@ -114,25 +118,40 @@ class DiskCopyEngine:
             blocks.append((it.disk_slot, it.hash, it.parent, addr, sums))
         failed = store.write(blocks) if blocks else set()
         store.maybe_compact()
-        return failed, corrupt, "host bytes failed their checksum" if corrupt else ("disk write failed" if failed else "")
+        message = "host bytes failed their checksum" if corrupt else ("disk write failed" if failed else "")
+        return self._observe(job, store, (failed, corrupt, message), t0)
 
-    def _read(self, job: DiskJob, store: ClassStore) -> Result:
-        dom = job.domain
-        pool, arena, cls = dom.registry.pool, self.arena, dom.layout_class
-        blocks = [(it.disk_slot, it.hash, arena.base + pool.byte_offset(it.host_slot)) for it in job.items]
-        failed, corrupt, sums = store.read(blocks)
+    def _read(self, job: DiskJob, finished: Callable[[Future[Result]], None]) -> None:
+        """The reader thread: the I/O, then the check on the pool (the reader goes on to the next job)."""
+        t0 = time.perf_counter()
+        try:
+            store = self._class(job)
+            dom = job.domain
+            pool = dom.registry.pool
+            failed, got = store.read_raw([(it.disk_slot, it.hash, self.arena.base + pool.byte_offset(it.host_slot)) for it in job.items])
+        except Exception as e:  # reported through the same path as a failing check
+            fut: Future[Result] = Future()
+            fut.set_exception(e)
+            finished(fut)
+            return
+        self._pool.submit(self._check, job, store, failed, got, t0).add_done_callback(finished)
+
+    def _check(self, job: DiskJob, store: ClassStore, failed: set[int], got: list[tuple[int, int, int, bytes]], t0: float) -> Result:
+        arena, cls = self.arena, job.domain.layout_class
+        corrupt, sums = store.check(got)
         if corrupt:
             store.flush_removes()
         for it in job.items:
-            got = sums.get(it.hash)
-            if got is not None:
-                for r, s in enumerate(got):
+            ranks = sums.get(it.hash)
+            if ranks is not None:
+                for r, s in enumerate(ranks):
                     arena.checksums[(cls, it.host_slot, r)] = s
                     arena.verified.add((cls, it.host_slot, r))
         message = "checksum mismatch in the disk tier" if corrupt else ("disk read failed" if failed else "")
-        return failed, corrupt, message
+        return self._observe(job, store, (failed, corrupt, message), t0)
 
     async def close(self) -> None:
         self._closed = True
+        await asyncio.to_thread(self._reader.shutdown, wait=True)  # first: it hands checks to the pool
         await asyncio.to_thread(self._pool.shutdown, wait=True)
         self.store.close()
