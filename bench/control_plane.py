@@ -203,9 +203,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--address", default="")
     args = ap.parse_args()
-    metrics_port = free_port()
-    daemon_args = ["--log-level", "warning", "--metrics-listen", f"127.0.0.1:{metrics_port}", "--host-gib", "2"]  # 8192 blocks of 128 KiB fit
-    daemon = None if args.address else DaemonProcess(args=daemon_args).start(timeout_s=60)
+    daemon = None
+    for attempt in range(3):  # a free port can be taken by another process before the daemon binds it
+        metrics_port = free_port()
+        daemon_args = ["--log-level", "warning", "--metrics-listen", f"127.0.0.1:{metrics_port}", "--host-gib", "2"]  # 8192 blocks of 128 KiB fit
+        if args.address:
+            break
+        try:
+            daemon = DaemonProcess(args=daemon_args).start(timeout_s=60)
+            break
+        except RuntimeError as e:
+            if "already in use" not in str(e) or attempt == 2:
+                raise
     address = args.address or daemon.tcp  # type: ignore[union-attr]
     try:
         out: dict[str, object] = {"bench": "control_plane", "address": "loopback tcp"}

@@ -33,6 +33,19 @@ class DaemonProcess:
     log_path: str = ""
 
     def start(self, timeout_s: float = 20.0) -> DaemonProcess:
+        """Starts the daemon and waits until it serves. A TCP port this picked itself that another
+        process took in the meantime is picked again (twice at most)."""
+        picked = not self.tcp
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError as e:
+                if not picked or attempt == 2 or "cannot listen on" not in str(e):
+                    raise
+                self.tcp = ""
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> DaemonProcess:
         tmp = tempfile.mkdtemp(prefix="kvdepotd-")
         self.tcp = self.tcp or f"127.0.0.1:{free_port()}"
         self.unix = self.unix or f"unix:{tmp}/kvdepotd.sock"
