@@ -70,6 +70,7 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         disk_policy=cfg.disk_policy,
         disk_admit_after=cfg.disk_admit_after,
         disk_admit_window_ms=int(cfg.disk_admit_window_s * 1000),
+        first_op_id=time.time_ns() // 1000,  # microseconds: above every id an earlier daemon handed out
     )
 
 

@@ -177,3 +177,19 @@ def test_processes_of_one_engine_join_by_key(daemon: DaemonProcess) -> None:
     finally:
         for x in (a, b, c):
             x.close()
+
+
+def test_op_ids_never_repeat_across_a_restart() -> None:
+    """A worker may still hold completions of the old daemon's ops: the new daemon's ids must be new."""
+    from kvdepot import StepBatch
+
+    from tests.integration.conftest import LAYOUT
+
+    seen: list[int] = []
+    for _ in range(2):
+        with DaemonProcess() as d, DepotClient(d.tcp, strict=True, deadline_s=5.0) as c:
+            c.register_engine("m", LAYOUT)
+            b = StepBatch()
+            b.new("r", list(range(40)), [0, 1, 2], computed=0, scheduled=40)
+            seen += [op.op_id for op in c.step(b).ops]
+    assert len(seen) == 2 and seen[1] > seen[0], seen

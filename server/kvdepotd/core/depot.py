@@ -84,6 +84,9 @@ class DepotConfig:
     disk_watermark: float = 0.8  # write-back: host pool fraction past which admitted blocks are written
     disk_job_blocks: int = 32
     disk_jobs_in_flight: int = 4  # write jobs per layout class
+    # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
+    # daemon's op 7 would take the new daemon's op 7 as done. The service starts them from the clock.
+    first_op_id: int = 1
 
 
 @dataclass(slots=True)
@@ -194,7 +197,7 @@ class Depot:
         self.domains: dict[str, Domain] = {}
         self.engines: dict[EngineId, Engine] = {}
         self.by_key: dict[str, EngineId] = {}
-        self.ops = OpTable()
+        self.ops = OpTable(config.first_op_id)
         self.counters: Counter[str] = Counter()
         self._ready: list[tuple[Op, int]] = []
         self._events: list[OpCompleted | RequestReleased] = []

@@ -64,9 +64,9 @@ class Op:
 
 
 class OpTable:
-    def __init__(self) -> None:
+    def __init__(self, first_id: int = 1) -> None:
         self.ops: dict[OpId, Op] = {}
-        self._next_id = 1
+        self._next_id = first_id
         self._forward_done: dict[tuple[EngineId, int], int] = {}  # (engine, rank) -> last step done
         self._waiting: dict[EngineId, list[Op]] = {}  # store ops waiting for some rank's forward
 
