@@ -60,8 +60,14 @@ def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_pat
                 time.sleep(0.5)
             body = {"model": model_dir, "prompt": P, "max_tokens": 8, "temperature": 0}
             first = post(base + "/v1/completions", body)
-            post(base + "/reset_prefix_cache")
             with DepotClient(d.tcp, strict=True) as c:
+                # vLLM frees the request's blocks only once the daemon released it (its stores ended),
+                # and a reset while they are held does nothing: wait for the release first.
+                deadline = time.monotonic() + 30
+                while any(c.slots(e.engine_id) for e in c.engines()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.5)  # the engine's next steps pass the release on and free the blocks
+                post(base + "/reset_prefix_cache")
                 before = dict(c.stats().counters)
                 second = post(base + "/v1/completions", body)
                 after = dict(c.stats().counters)
