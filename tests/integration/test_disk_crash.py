@@ -18,6 +18,7 @@ import pytest
 from kvdepot import DepotClient, KvLayout
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepotd.storage.disk import verify
+from tests.integration.conftest import attached_engine, close_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]
 
@@ -38,12 +39,8 @@ def daemon(disk_dir: str) -> tuple[DaemonProcess, float]:
 
 
 def engine(d: DaemonProcess, strict: bool) -> FakeEngine:
-    c = DepotClient(d.tcp, strict=strict, deadline_s=2.0)
-    c.register_engine("crash-model", LAYOUT)
-    e = FakeEngine(c, layout=LAYOUT, num_blocks=1024, release_timeout_s=3.0)  # a dead daemon releases nothing
-    for w in e.workers:
-        assert w.attached.wait(5)
-    return e
+    # A dead daemon releases nothing: held blocks are let go after 3 s.
+    return attached_engine(d, LAYOUT, "crash-model", strict=strict, deadline_s=2.0, num_blocks=1024, release_timeout_s=3.0)
 
 
 def prompt(round_no: int, k: int) -> list[int]:
@@ -51,10 +48,7 @@ def prompt(round_no: int, k: int) -> list[int]:
     return [rng.randrange(1, 30_000) for _ in range(PROMPT_BLOCKS * 16 + 1)]
 
 
-def close(e: FakeEngine) -> None:
-    e.client.close()
-    assert e.kv is not None
-    e.kv.close()
+close = close_engine
 
 
 @pytest.mark.timeout(900)

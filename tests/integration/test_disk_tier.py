@@ -13,6 +13,7 @@ import pytest
 
 from kvdepot import DepotClient, KvLayout
 from kvdepot.testing import DaemonProcess, FakeEngine
+from tests.integration.conftest import attached_engine, close_engine
 
 pytestmark = pytest.mark.integration
 
@@ -27,18 +28,10 @@ def start(disk_dir: str, *extra: str) -> DaemonProcess:
 
 
 def engine(d: DaemonProcess, lay: KvLayout, model: str = "disk-model", **kw: object) -> FakeEngine:
-    c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
-    c.register_engine(model, lay)
-    e = FakeEngine(c, layout=lay, **kw)  # type: ignore[arg-type]
-    for w in e.workers:
-        assert w.attached.wait(5)
-    return e
+    return attached_engine(d, lay, model, **kw)
 
 
-def close(e: FakeEngine) -> None:
-    e.client.close()
-    assert e.kv is not None
-    e.kv.close()
+close = close_engine
 
 
 def wait_counter(c: DepotClient, name: str, at_least: int, timeout_s: float = 10.0) -> int:

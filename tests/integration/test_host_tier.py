@@ -13,6 +13,7 @@ from kvdepot import DepotClient, KvLayout
 from kvdepot.handles import share_cpu_tensors
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
+from tests.integration.conftest import attached_engine, close_engine
 
 pytestmark = pytest.mark.integration
 KINDS = ["vllm_cpu", "vllm_flash", "contiguous"]
@@ -31,19 +32,10 @@ def depot() -> Iterator[DaemonProcess]:
 
 
 def engine(d: DaemonProcess, kind: str, model: str = "kv-model", world_size: int = 1, **kw: object) -> FakeEngine:
-    c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
-    lay = layout(kind, world_size)
-    c.register_engine(model + "-" + kind, lay)
-    e = FakeEngine(c, layout=lay, world_size=world_size, **kw)  # type: ignore[arg-type]
-    for w in e.workers:
-        assert w.attached.wait(5)
-    return e
+    return attached_engine(d, layout(kind, world_size), model + "-" + kind, world_size=world_size, **kw)
 
 
-def close(e: FakeEngine) -> None:
-    e.client.close()
-    assert e.kv is not None
-    e.kv.close()
+close = close_engine
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -45,6 +45,15 @@ def on_disk(sim: Sim, tokens: list[int]) -> int:
     return disk.lookup(hashes(tokens))
 
 
+def only_on_disk(toks: list[int], **cfg: object) -> Sim:
+    """A depot whose disk tier holds `toks`'s blocks (stored, written through) and whose host tier does not."""
+    sim = disk_sim(**{"disk_policy": "write-through", "disk_admit_after": 1, **cfg})  # type: ignore[arg-type]
+    sim.prefill_and_store("a", toks)
+    run_disk(sim)
+    sim.depot.clear(host=True, disk=False)
+    return sim
+
+
 def written(jobs: list[DiskJob]) -> int:
     return sum(len(j.items) for j in jobs if j.kind is DiskJobKind.WRITE)
 
@@ -135,11 +144,8 @@ def test_lookup_mixes_tiers_and_stages_only_the_disk_blocks() -> None:
 
 
 def test_corrupt_disk_block_fails_its_load_and_is_dropped() -> None:
-    sim = disk_sim(disk_policy="write-through", disk_admit_after=1)
     toks = prompt(100)
-    sim.prefill_and_store("a", toks)
-    run_disk(sim)
-    sim.depot.clear(host=True, disk=False)
+    sim = only_on_disk(toks)
     sim.lookup("b", toks)
     sim.step(sim.new("b", toks, E=96, S=4, table=list(range(200, 207))))
     hs = hashes(toks)
@@ -152,11 +158,8 @@ def test_corrupt_disk_block_fails_its_load_and_is_dropped() -> None:
 
 
 def test_load_that_ends_while_staging_leaves_the_blocks_in_the_host_tier() -> None:
-    sim = disk_sim(disk_policy="write-through", disk_admit_after=1)
     toks = prompt(100)
-    sim.prefill_and_store("a", toks)
-    run_disk(sim)
-    sim.depot.clear(host=True, disk=False)
+    sim = only_on_disk(toks)
     sim.lookup("b", toks)
     sim.step(sim.new("b", toks, E=96, S=4, table=list(range(200, 207))))
     sim.now += 31_000  # past the op deadline, within the lease
@@ -169,11 +172,8 @@ def test_load_that_ends_while_staging_leaves_the_blocks_in_the_host_tier() -> No
 
 
 def test_two_loads_of_one_disk_prefix_share_one_read() -> None:
-    sim = disk_sim(disk_policy="write-through", disk_admit_after=1)
     toks = prompt(100)
-    sim.prefill_and_store("a", toks)
-    run_disk(sim)
-    sim.depot.clear(host=True, disk=False)
+    sim = only_on_disk(toks)
     assert sim.lookup("b", toks) == 96 and sim.lookup("c", toks + [7]) == 96
     sim.step(
         sim.new("b", toks, E=96, S=4, table=list(range(200, 207))),
@@ -187,11 +187,8 @@ def test_two_loads_of_one_disk_prefix_share_one_read() -> None:
 
 
 def test_a_block_on_disk_is_never_stored_again() -> None:
-    sim = disk_sim(disk_policy="write-through", disk_admit_after=1)
     toks = prompt(64)
-    sim.prefill_and_store("a", toks)
-    run_disk(sim)
-    sim.depot.clear(host=True, disk=False)
+    sim = only_on_disk(toks)
     plan = sim.step(sim.new("b", toks, S=64, table=[1, 2, 3, 4]))
     assert blocks_of(plan, OpKind.STORE) == []
     assert sim.states("b") == [BlockState.ALREADY_CACHED] * 4
@@ -231,11 +228,8 @@ def test_restore_refuses_slots_beyond_the_disk() -> None:
 
 
 def test_a_long_disk_load_is_cut_into_ops_that_start_as_their_blocks_arrive() -> None:
-    sim = disk_sim(host_blocks=128, disk_blocks=128, disk_policy="write-through", disk_admit_after=1, disk_job_blocks=8)
     toks = prompt(40 * BS + 1)
-    sim.prefill_and_store("a", toks)
-    run_disk(sim)
-    sim.depot.clear(host=True, disk=False)
+    sim = only_on_disk(toks, host_blocks=128, disk_blocks=128, disk_job_blocks=8)
     assert sim.lookup("b", toks) == 40 * BS
     plan = sim.step(sim.new("b", toks, E=40 * BS, S=1, table=list(range(200, 241))))
     loads = [op for op in plan.ops if op.kind is OpKind.LOAD]
