@@ -205,6 +205,16 @@ class ClassStore:
         return gen, h, (parent if has_parent else None), sums
 
     @staticmethod
+    def _says(head: tuple[int, int, int | None, list[int]] | None, e: Live | None, h: int) -> bool:
+        """The header says what the journal lists for block `h`: its generation, hash and parent."""
+        return head is not None and e is not None and e.hash == h and head[:3] == (e.gen, e.hash, e.parent)
+
+    def _data_ok(self, addr: int, sums: list[int]) -> bool:
+        """The block's data at `addr` matches the header's per-rank checksums."""
+        rb = self.rank_bytes
+        return all(xxh3_at(addr + r * rb, rb) == s for r, s in enumerate(sums))
+
+    @staticmethod
     def _record(kind: int, slot: int, gen: int, h: int, parent: int | None) -> bytes:
         body = _REC.pack(kind, slot, gen, h, parent or 0, parent is not None)
         return body + struct.pack("<Q", xxh3_bytes(body))
@@ -246,8 +256,7 @@ class ClassStore:
                 dropped["listed twice"] = dropped.get("listed twice", 0) + 1
             by_hash[e.hash] = slot
         for slot, e in list(entries.items()):
-            got = self._read_header(slot)
-            if got is None or got[:3] != (e.gen, e.hash, e.parent):
+            if not self._says(self._read_header(slot), e, e.hash):
                 del entries[slot]
                 dropped["header does not match the journal"] = dropped.get("header does not match the journal", 0) + 1
         self.live = entries
@@ -367,13 +376,11 @@ class ClassStore:
         must match the header's checksums. Returns (corrupt hashes, checksums by hash)."""
         corrupt: set[int] = set()
         sums: dict[int, list[int]] = {}
-        rb = self.rank_bytes
         for slot, h, addr, raw in got:
             with self._lock:
                 want = self.live.get(slot)
             head = self.parse_header(raw)
-            ok = want is not None and head is not None and head[:2] == (want.gen, h) and want.hash == h
-            if ok and head is not None and all(xxh3_at(addr + r * rb, rb) == s for r, s in enumerate(head[3])):
+            if head is not None and self._says(head, want, h) and self._data_ok(addr, head[3]):
                 sums[h] = head[3]
             else:
                 corrupt.add(h)
@@ -497,21 +504,19 @@ def verify(root: str) -> dict[str, int]:
             continue
         store = ClassStore(root, meta["layout_class"], meta["block_bytes"], meta["world_size"], meta["blocks_per_slab"], False)
         out["classes"] += 1
-        rb = store.rank_bytes
+        buf = bytearray(DISK_HEADER_BYTES + store.block_bytes)
+        data_addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) + DISK_HEADER_BYTES
         for slot, e in store._replay({}).items():
             out["listed"] += 1
             slab, index = divmod(slot, store.blocks_per_slab)
             try:
                 with open(store.slab_path(slab), "rb") as f:
                     f.seek(index * store.record_bytes)
-                    raw = f.read(DISK_HEADER_BYTES + store.block_bytes)
+                    whole = f.readinto(buf) == len(buf)
             except OSError:
-                raw = b""
-            got = store.parse_header(raw) if len(raw) == DISK_HEADER_BYTES + store.block_bytes else None
-            ok = got is not None and got[:3] == (e.gen, e.hash, e.parent)
-            if ok and got is not None:
-                data = raw[DISK_HEADER_BYTES:]
-                ok = all(xxh3_bytes(data[r * rb : (r + 1) * rb]) == s for r, s in enumerate(got[3]))
+                whole = False
+            head = store.parse_header(bytes(buf[:DISK_HEADER_BYTES])) if whole else None
+            ok = head is not None and store._says(head, e, e.hash) and store._data_ok(data_addr, head[3])
             out["valid" if ok else "bad"] += 1
     return out
 
