@@ -1,7 +1,9 @@
 """xxh3-64 (seed 0) over raw memory, straight from the xxhash wheel's library.
 
 A ctypes call releases the GIL, so copy and I/O threads checksum at once
-(xxhash.xxh3_64_intdigest holds the GIL: half the speed with two threads).
+(xxhash.xxh3_64_intdigest holds the GIL: half the speed with two threads). The wheel's
+`_dispatch` entry point picks the widest vector unit the CPU has at run time (AVX2 here: about
+twice the plain entry point's speed on data in cache); the result is the same xxh3 either way.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ import ctypes
 import xxhash._xxhash
 
 _lib = ctypes.CDLL(xxhash._xxhash.__file__)
-xxh3_at = _lib.XXH3_64bits
+xxh3_at = getattr(_lib, "XXH3_64bits_dispatch", None) or _lib.XXH3_64bits
 xxh3_at.restype = ctypes.c_uint64
 xxh3_at.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
 def xxh3_bytes(data: bytes) -> int:
     return int(xxh3_at(data, len(data)))
+
