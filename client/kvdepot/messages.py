@@ -182,7 +182,7 @@ class StepBatch:
             computed_tokens=self.computed,
             scheduled_tokens=self.scheduled,
             num_new_tokens=self.num_new_tokens,
-            new_tokens=self.new_tokens,
+            new_tokens_u32le=tokens_to_bytes(self.new_tokens),
             num_new_block_ids=self.num_new_blocks,
             new_block_ids=self.new_block_ids,
             cache_salt=salts,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 
 from kvdepot.hashing import tokens_to_bytes
 from kvdepot.layout import KvLayout
@@ -38,14 +39,19 @@ def style_from_pb(value: int) -> UpdateStyle:
         raise InvalidRequest(f"unknown update_style {value}") from None
 
 
+def _token_bytes(listed: Sequence[int], packed: bytes, name: str) -> bytes:
+    """Tokens sent either as a repeated field or as little-endian u32 bytes (`name` + '_u32le')."""
+    if listed and packed:
+        raise InvalidRequest(f"set either {name} or {name}_u32le, not both")
+    if packed:
+        if len(packed) % 4:
+            raise InvalidRequest(f"{name}_u32le has {len(packed)} bytes, not a multiple of 4")
+        return packed
+    return tokens_to_bytes(listed)
+
+
 def lookup_tokens(req: pb.LookupRequest) -> bytes:
-    if req.tokens and req.tokens_u32le:
-        raise InvalidRequest("set either tokens or tokens_u32le, not both")
-    if req.tokens_u32le:
-        if len(req.tokens_u32le) % 4:
-            raise InvalidRequest(f"tokens_u32le has {len(req.tokens_u32le)} bytes, not a multiple of 4")
-        return req.tokens_u32le
-    return tokens_to_bytes(req.tokens)
+    return _token_bytes(req.tokens, req.tokens_u32le, "tokens")
 
 
 def step_columns(req: pb.StepRequest) -> StepColumns:
@@ -61,8 +67,9 @@ def step_columns(req: pb.StepRequest) -> StepColumns:
             raise InvalidRequest(f"{name} has {got} entries for {n} request_ids (0 or one per request)")
     ntok = list(req.num_new_tokens)
     nblk = list(req.num_new_block_ids)
-    if sum(ntok) != len(req.new_tokens):
-        raise InvalidRequest(f"num_new_tokens add up to {sum(ntok)} but new_tokens has {len(req.new_tokens)}")
+    tokens = _token_bytes(req.new_tokens, req.new_tokens_u32le, "new_tokens")
+    if sum(ntok) != len(tokens) // 4:
+        raise InvalidRequest(f"num_new_tokens add up to {sum(ntok)} but new_tokens has {len(tokens) // 4}")
     if sum(nblk) != len(req.new_block_ids):
         raise InvalidRequest(f"num_new_block_ids add up to {sum(nblk)} but new_block_ids has {len(req.new_block_ids)}")
     # list() copies in C once; the core then iterates plain lists (faster than upb containers).
@@ -74,7 +81,7 @@ def step_columns(req: pb.StepRequest) -> StepColumns:
         list(req.computed_tokens),
         list(req.scheduled_tokens),
         ntok,
-        tokens_to_bytes(req.new_tokens),
+        tokens,
         nblk,
         list(req.new_block_ids),
         list(req.cache_salt),

@@ -156,6 +156,34 @@ def test_columns_that_do_not_line_up(c: DepotClient) -> None:
     expect(c, InvalidRequest, "num_new_tokens add up to 5", step_with(c, bad_tokens))
 
 
+def test_step_tokens_in_one_form_only(c: DepotClient) -> None:
+    def sent(tamper: Callable[[pb.StepRequest], None]) -> Callable[[], object]:
+        def run() -> object:
+            b = StepBatch()
+            b.new("x", [1, 2, 3], [0], computed=0, scheduled=3)
+            req = b.to_pb(c.engine_id, c.last_step + 1)
+            tamper(req)
+            try:
+                return c._stub.Step(req, timeout=5)
+            except grpc.RpcError as e:
+                from kvdepot.errors import from_rpc_error
+
+                raise from_rpc_error(e) from None
+
+        return run
+
+    expect(c, InvalidRequest, "either new_tokens or new_tokens_u32le", sent(lambda r: r.new_tokens.extend([1, 2, 3])))
+    expect(c, InvalidRequest, "new_tokens_u32le has 11 bytes", sent(lambda r: setattr(r, "new_tokens_u32le", r.new_tokens_u32le[:-1])))
+    expect(c, InvalidRequest, "num_new_tokens add up to 3 but new_tokens has 2", sent(lambda r: setattr(r, "new_tokens_u32le", r.new_tokens_u32le[:-4])))
+
+    def listed(r: pb.StepRequest) -> None:  # the repeated field (grpcurl's form) still works
+        r.new_tokens.extend([1, 2, 3])
+        r.new_tokens_u32le = b""
+
+    sent(listed)()
+    assert c.slot("x").summary.request_id == "x"
+
+
 def test_oversized_token_lists(c: DepotClient, small: DaemonProcess) -> None:
     expect(c, InvalidRequest, "over the limit of 4096", step_with(c, lambda b: b.new("x", list(range(5000)), list(range(400)), computed=0, scheduled=1)))
     with pytest.raises(grpc.RpcError) as info:

@@ -40,3 +40,18 @@ def test_start_and_limit() -> None:
     data = tokens_to_bytes(list(range(160)))
     full = block_hashes(data, 16, 1)
     assert block_hashes(data, 16, 1, start_block=3, prev=full[2], limit=4) == full[3:7]
+
+
+def test_tokens_to_bytes_is_little_endian_u32_and_rejects_what_does_not_fit() -> None:
+    import array
+    import struct
+
+    import pytest
+
+    toks = [0, 1, 255, 256, 65535, 2**32 - 1]
+    assert tokens_to_bytes(toks) == struct.pack("<6I", *toks)
+    assert tokens_to_bytes(array.array("I", toks)) == tokens_to_bytes(tuple(toks)) == tokens_to_bytes(toks)
+    assert tokens_to_bytes([]) == b""
+    for bad in ([-1], [2**32], [1.5], ["7"]):
+        with pytest.raises(ValueError, match="integers in"):
+            tokens_to_bytes(bad)  # type: ignore[arg-type]

@@ -234,7 +234,7 @@ class LookupResponse(_message.Message):
     def __init__(self, matched_tokens: _Optional[int] = ..., by_tier: _Optional[_Iterable[_Union[TierTokens, _Mapping]]] = ..., pin_deadline_unix_ms: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("engine_id", "step", "request_ids", "is_new", "device_matched_tokens", "loaded_tokens", "computed_tokens", "scheduled_tokens", "num_new_tokens", "new_tokens", "num_new_block_ids", "new_block_ids", "cache_salt", "lora_name", "finished", "preempted")
+    __slots__ = ("engine_id", "step", "request_ids", "is_new", "device_matched_tokens", "loaded_tokens", "computed_tokens", "scheduled_tokens", "num_new_tokens", "new_tokens", "num_new_block_ids", "new_block_ids", "cache_salt", "lora_name", "finished", "preempted", "new_tokens_u32le")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class StepRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_U32LE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     step: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -267,7 +268,8 @@ class StepRequest(_message.Message):
     lora_name: _containers.RepeatedScalarFieldContainer[str]
     finished: _containers.RepeatedScalarFieldContainer[str]
     preempted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., step: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., is_new: _Optional[_Iterable[bool]] = ..., device_matched_tokens: _Optional[_Iterable[int]] = ..., loaded_tokens: _Optional[_Iterable[int]] = ..., computed_tokens: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[_Iterable[str]] = ..., lora_name: _Optional[_Iterable[str]] = ..., finished: _Optional[_Iterable[str]] = ..., preempted: _Optional[_Iterable[str]] = ...) -> None: ...
+    new_tokens_u32le: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., step: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., is_new: _Optional[_Iterable[bool]] = ..., device_matched_tokens: _Optional[_Iterable[int]] = ..., loaded_tokens: _Optional[_Iterable[int]] = ..., computed_tokens: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_tokens: _Optional[_Iterable[int]] = ..., num_new_block_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[_Iterable[str]] = ..., lora_name: _Optional[_Iterable[str]] = ..., finished: _Optional[_Iterable[str]] = ..., preempted: _Optional[_Iterable[str]] = ..., new_tokens_u32le: _Optional[bytes] = ...) -> None: ...
 
 class Op(_message.Message):
     __slots__ = ("op_id", "kind", "request_id", "block_ids", "block_indices", "step", "deadline_unix_ms")
