@@ -11,13 +11,11 @@ every block, with O_DIRECT. Each round, side by side in the same directory:
   read           after the host tier is cleared: a load planned by Step until its completion on the
                  worker stream (disk -> host staging with checksum checks, then host -> engine)
   raw read       file B
-Each ratio is the daemon's figure over the mean of the two raw figures around it. A virtual disk's
-speed depends on when its data was written (the hypervisor caches recent writes; reads of older
-data measured 3-4 times slower here) and swings within seconds, so the daemon's data is bracketed
-by raw data written just before and just after it, and every figure by raw runs just before and
-just after it. Prints one JSON line with write_gbps, read_gbps, raw_write_gbps, raw_read_gbps,
-write_ratio, read_ratio (medians over --repeat rounds; target: both ratios >= 0.7) and every
-round's figures.
+Each ratio is the daemon's figure over the mean of the two raw figures around it: this VM's disk
+speed swings within seconds, so every figure is bracketed by raw runs just before and just after it,
+and the raw files are new each round, like the daemon's slab files. Prints one JSON line with
+write_gbps, read_gbps, raw_write_gbps, raw_read_gbps, write_ratio, read_ratio (medians over --repeat
+rounds; target: both ratios >= 0.7) and every round's figures.
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--dir", default=None, help="where the disk tier and the raw file go (default: the temp dir)")
+    ap.add_argument("--dir", default=None, help="where the disk tier and the raw files go (default: the temp dir)")
     args = ap.parse_args()
     nb, bs = args.blocks, LAYOUT.block_size
     nbytes = nb * LAYOUT.block_bytes
