@@ -390,3 +390,34 @@ def test_every_counter_the_core_moves_is_declared() -> None:
         used |= set(pair)
     assert {"stored_blocks", "load_failed_blocks"} <= used
     assert used <= set(depot.COUNTERS), used - set(depot.COUNTERS)
+
+
+def test_first_step_reuses_the_lookups_hash_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit's Step does not hash the prompt a second time; other tokens still get their own chain."""
+    import kvdepotd.core.slots as slots_mod
+    from kvdepot.hashing import block_hashes, tokens_to_bytes
+    from kvdepotd.core.ops import RequestId
+
+    sim = Sim()
+    toks = prompt(6 * BS + 5)
+    sim.prefill_and_store("a", toks)
+    hashed: list[int] = []
+    real = slots_mod.block_hashes
+
+    def counting(*a, **k):  # type: ignore[no-untyped-def]
+        out = real(*a, **k)
+        hashed.append(len(out))
+        return out
+
+    monkeypatch.setattr(slots_mod, "block_hashes", counting)
+    assert sim.lookup("b", toks) == 6 * BS
+    sim.step(sim.new("b", toks, E=6 * BS, S=5, table=list(range(10, 17))))
+    slot = sim.depot.engines[sim.engine].slots[RequestId("b")]
+    assert slot.hashes == block_hashes(tokens_to_bytes(toks), BS, slot.seed)
+    assert sum(hashed) == 0  # the lookup computed all six full blocks
+
+    other = prompt(6 * BS + 5, start=9)  # looked up with one prompt, scheduled with another
+    sim.lookup("c", toks)
+    sim.step(sim.new("c", other, S=len(other), table=list(range(20, 27))))
+    assert sim.depot.engines[sim.engine].slots[RequestId("c")].hashes == block_hashes(tokens_to_bytes(other), BS, slot.seed)
+    assert sum(hashed) == 6

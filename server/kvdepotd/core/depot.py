@@ -129,6 +129,11 @@ class LookupPin:
     hashes: list[BlockHash]
     deadline_ms: int
     on_disk: list[bool]  # per hash: pinned in the disk tier (else the host tier)
+    # The hash chain the lookup computed from block 0 (over `tokens`, with `seed`): the request's
+    # first Step reuses it when it carries the same tokens, instead of hashing the prompt again.
+    tokens: bytes = b""
+    seed: int = 0
+    chain: list[BlockHash] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,25 +314,27 @@ class Depot:
         offerable = max(0, (n - 1) // bs - first) if n else 0
         hit: list[BlockHash] = []
         on_disk: list[bool] = []
+        chain: list[BlockHash] = []
+        seed = eng.seed(cache_salt, lora_name)
         if L % bs == 0 and offerable:
-            hit, on_disk = self._match(eng, tokens, eng.seed(cache_salt, lora_name), first, offerable)
+            hit, on_disk, chain = self._match(eng, tokens, seed, first, offerable)
         deadline = now_ms + (pin_ms or self.config.pin_ms)
         if hit:
-            eng.pins[request_id] = LookupPin(hit, deadline, on_disk)
+            eng.pins[request_id] = LookupPin(hit, deadline, on_disk, tokens, seed, chain)
         matched = len(hit) * bs
         disk = sum(on_disk) * bs
         self.counters["lookup_hit_tokens"] += matched
         self.counters["lookup_disk_hit_tokens"] += disk
         return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs)
 
-    def _match(self, eng: Engine, tokens: bytes, seed: int, first: int, limit: int) -> tuple[list[BlockHash], list[bool]]:
+    def _match(self, eng: Engine, tokens: bytes, seed: int, first: int, limit: int) -> tuple[list[BlockHash], list[bool], list[BlockHash]]:
         """Resident blocks from `first` on, stopping at the first block no tier holds, pinned in
         the tier they are taken from (host first); hashes in growing chunks so a miss early in a
-        long prompt costs little."""
+        long prompt costs little. Also returns every hash computed, from block 0 on (the chain)."""
         dom = eng.domain
         bs = eng.layout.block_size
-        prefix = block_hashes(tokens, bs, seed, limit=first) if first else []
-        prev = prefix[-1] if prefix else None
+        chain = block_hashes(tokens, bs, seed, limit=first) if first else []
+        prev = chain[-1] if chain else None
         out: list[BlockHash] = []
         on_disk: list[bool] = []
         chunk = 32
@@ -335,13 +342,14 @@ class Depot:
             hs = block_hashes(tokens, bs, seed, start_block=first + len(out), prev=prev, limit=min(chunk, limit - len(out)))
             if not hs:
                 break
+            chain += hs
             n = self._match_tiers(dom, hs, on_disk)
             out += hs[:n]
             if n < len(hs):
                 break
             prev = hs[-1]
             chunk *= 4
-        return out, on_disk
+        return out, on_disk, chain
 
     @staticmethod
     def _match_tiers(dom: Domain, hs: list[BlockHash], on_disk: list[bool]) -> int:
@@ -421,7 +429,11 @@ class Depot:
             if slot.last_step >= 0:
                 self._cancel_waiting_stores(eng, slot, "request restarted")
                 self._bump_epoch(eng, slot)
-            slot.append_tokens(u.new_tokens)
+            pin = eng.pins.get(slot.request_id)
+            if pin is not None and pin.chain and not slot.tokens and pin.seed == slot.seed:
+                slot.append_tokens(u.new_tokens, known=pin.chain, known_over=pin.tokens)
+            else:
+                slot.append_tokens(u.new_tokens)
             loads = slot.start_device_state(u.device_matched_tokens, u.loaded_tokens, list(u.new_block_ids))
             if loads:
                 self._plan_load(eng, slot, loads, step, now_ms, plan)

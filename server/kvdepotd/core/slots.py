@@ -16,6 +16,7 @@ residency, so no positional counter can drift (Dynamo's current_position / evalu
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvdepot.hashing import BlockHash, block_hashes
@@ -146,9 +147,17 @@ class Slot:
     def num_tokens(self) -> int:
         return len(self.tokens) >> 2
 
-    def append_tokens(self, data: bytes) -> None:
+    def append_tokens(self, data: bytes, known: Sequence[BlockHash] = (), known_over: bytes = b"") -> None:
         """Appends tokens; a block that becomes full gets its hash and a PENDING state. (The Step
-        fast path inlines this: one bytearray append, then hash_full_blocks when one filled up.)"""
+        fast path inlines this: one bytearray append, then hash_full_blocks when one filled up.)
+
+        `known` is a hash chain already computed over `known_over` with this slot's seed (a
+        lookup's): to an empty slot whose tokens start with all of `known_over`, those hashes carry
+        over instead of being computed again."""
+        if known and not self.tokens and isinstance(data, (bytes, bytearray)) and data.startswith(known_over):  # memcmp, no copy
+            n = min(len(known), len(known_over) // (4 * self.block_size))
+            self.hashes += known[:n]
+            self.states += [BlockState.PENDING] * n
         self.tokens += data
         if len(self.tokens) >= self.next_full:
             self.hash_full_blocks()
