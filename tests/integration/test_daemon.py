@@ -193,22 +193,3 @@ def test_op_ids_never_repeat_across_a_restart() -> None:
             b.new("r", list(range(40)), [0, 1, 2], computed=0, scheduled=40)
             seen += [op.op_id for op in c.step(b).ops]
     assert len(seen) == 2 and seen[1] > seen[0], seen
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
-def test_a_test_daemon_ends_with_the_process_that_started_it() -> None:
-    """A crashed test run or benchmark must not leave a daemon (and its host tier) behind."""
-    code = "import os; from kvdepot.testing import DaemonProcess; print(DaemonProcess().start().proc.pid, flush=True); os._exit(1)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    pid = int(out.stdout.split()[0])
-    end = time.monotonic() + 20
-    while time.monotonic() < end:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # ended; its new parent has not reaped it yet
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"kvdepotd {pid} outlived the process that started it")

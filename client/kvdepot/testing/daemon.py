@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -11,24 +10,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-_prctl: Any = None
-try:  # Linux: the child gets SIGTERM when the thread that started it ends
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):
-    pass
-PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec (only a C call: nothing that could take a lock)."""
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 def free_port() -> int:
@@ -39,11 +23,7 @@ def free_port() -> int:
 
 @dataclass
 class DaemonProcess:
-    """A kvdepotd child process. `tcp` and `unix` are addresses a client can use.
-
-    The daemon drains and exits when the thread that started it ends (on Linux), so a test run or
-    benchmark that crashes leaves no daemon, and no host tier in /dev/shm, behind: start it from a
-    thread that outlives its use (the main thread, as the tests and benchmarks do)."""
+    """A kvdepotd child process. `tcp` and `unix` are addresses a client can use."""
 
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -74,7 +54,7 @@ class DaemonProcess:
         cmd = [sys.executable, "-m", "kvdepotd", "serve", "--listen", self.tcp, "--listen", self.unix, "--metrics-listen", "", *sized, *self.args]
         env = {**os.environ, **self.env}
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.wait_serving(timeout_s)
         return self
 
