@@ -61,11 +61,17 @@ def expect(c: DepotClient, err: type[DepotError], words: str, call: Callable[[],
     assert c.stats().engines >= 1  # still alive and answering
 
 
-def step_with(c: DepotClient, fill: Callable[[StepBatch], None], step: int | None = None) -> Callable[[], object]:
+def step_with(
+    c: DepotClient, fill: Callable[[StepBatch], None], step: int | None = None, tamper: Callable[[pb.StepRequest], None] | None = None
+) -> Callable[[], object]:
+    """Sends the batch `fill` builds; `tamper` edits the wire message first (what a client other than ours may send)."""
+
     def run() -> object:
         b = StepBatch()
         fill(b)
         req = b.to_pb(c.engine_id, step if step is not None else c.last_step + 1)
+        if tamper is not None:
+            tamper(req)
         try:
             return c._stub.Step(req, timeout=5)
         except grpc.RpcError as e:
@@ -158,19 +164,7 @@ def test_columns_that_do_not_line_up(c: DepotClient) -> None:
 
 def test_step_tokens_in_one_form_only(c: DepotClient) -> None:
     def sent(tamper: Callable[[pb.StepRequest], None]) -> Callable[[], object]:
-        def run() -> object:
-            b = StepBatch()
-            b.new("x", [1, 2, 3], [0], computed=0, scheduled=3)
-            req = b.to_pb(c.engine_id, c.last_step + 1)
-            tamper(req)
-            try:
-                return c._stub.Step(req, timeout=5)
-            except grpc.RpcError as e:
-                from kvdepot.errors import from_rpc_error
-
-                raise from_rpc_error(e) from None
-
-        return run
+        return step_with(c, lambda b: b.new("x", [1, 2, 3], [0], computed=0, scheduled=3), tamper=tamper)
 
     expect(c, InvalidRequest, "either new_tokens or new_tokens_u32le", sent(lambda r: r.new_tokens.extend([1, 2, 3])))
     expect(c, InvalidRequest, "new_tokens_u32le has 11 bytes", sent(lambda r: setattr(r, "new_tokens_u32le", r.new_tokens_u32le[:-1])))

@@ -430,7 +430,7 @@ class Depot:
                 self._cancel_waiting_stores(eng, slot, "request restarted")
                 self._bump_epoch(eng, slot)
             pin = eng.pins.get(slot.request_id)
-            if pin is not None and pin.chain and not slot.tokens and pin.seed == slot.seed:
+            if pin is not None and pin.seed == slot.seed:
                 slot.append_tokens(u.new_tokens, known=pin.chain, known_over=pin.tokens)
             else:
                 slot.append_tokens(u.new_tokens)

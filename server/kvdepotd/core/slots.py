@@ -154,7 +154,7 @@ class Slot:
         `known` is a hash chain already computed over `known_over` with this slot's seed (a
         lookup's): to an empty slot whose tokens start with all of `known_over`, those hashes carry
         over instead of being computed again."""
-        if known and not self.tokens and isinstance(data, (bytes, bytearray)) and data.startswith(known_over):  # memcmp, no copy
+        if known and not self.tokens and data.startswith(known_over):  # memcmp, no copy
             n = min(len(known), len(known_over) // (4 * self.block_size))
             self.hashes += known[:n]
             self.states += [BlockState.PENDING] * n

@@ -20,4 +20,3 @@ xxh3_at.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 def xxh3_bytes(data: bytes) -> int:
     return int(xxh3_at(data, len(data)))
-
