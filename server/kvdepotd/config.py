@@ -79,7 +79,7 @@ HELP: dict[str, str] = {
     "disk_admit_window_s": "the admission window in seconds. Default 600",
     "disk_direct_io": "true: disk I/O with O_DIRECT (no page cache); false: buffered I/O. Default true",
     "disk_threads": "threads writing to disk and checking what was read (one more thread issues the reads). Default 2",
-    "fault_load_delay_ms": "fault injection for tests: every load chunk waits this long before copying. Default 0",
+    "fault_load_delay_ms": "fault injection for tests: every load waits this long before copying. Default 0",
     "fault_corrupt_loads": "fault injection for tests: the next N blocks loaded have their host bytes flipped first "
     "(the checksum must catch them). Default 0",
 }

@@ -1,13 +1,15 @@
 """The host-tier copy engine: engine KV blocks <-> the host arena, on worker threads.
 
-A part (one op on one rank) is cut into chunks of blocks that run on a small thread pool: as many
-chunks as threads, at most 32 blocks each (fewer hand-offs than the earlier 8-block chunks: 0.65-0.69
-of a memcpy in bench/host_tier.py against 0.60-0.68). A CPU block is one strided torch copy when its
-runs are evenly spaced in one storage, else one ctypes.memmove per run; both release the GIL, so
-the threads copy at once. CUDA copies go through a dedicated stream and are synchronized before the
-part reports. Stores checksum each (block, rank) with xxh3 after copying; loads check it before
-copying and report a mismatch as a corrupt block (the engine recomputes, the tier drops it).
-Engines of layout kind "none" have no tensors: their parts end at once (bookkeeping only).
+Parts (one op on one rank) wait in two queues, loads before stores: a load is on the engine's
+critical path (the request cannot run until it lands), a store is not. Each copy thread takes a
+few blocks at a time (about 8 MiB, fewer near a part's end) from the first waiting part, so the
+threads share one large op to its last block instead of one finishing its fixed chunk while the
+other still has a whole one to go. A CPU block is one strided torch copy when its runs are evenly
+spaced in one storage, else one ctypes.memmove per run; both release the GIL, so the threads copy
+at once. CUDA copies go through a dedicated stream and are synchronized before the part reports.
+Stores checksum each (block, rank) with xxh3 after copying; loads check it before copying and
+report a mismatch as a corrupt block (the engine recomputes, the tier drops it). Engines of
+layout kind "none" have no tensors: their parts end at once (bookkeeping only).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import ctypes
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +36,8 @@ from kvdepotd.transfer.mapping import RankMapping
 log = logging.getLogger("kvdepotd")
 _memmove = ctypes.memmove
 Work = list[tuple[int, int, SlotId]]  # (block index, engine block id, host slot)
+GRAIN_BYTES = 8 << 20  # what a copy thread takes from a part at a time (a few ms of copying)
+MAX_GRAIN_BLOCKS = 64
 
 
 @dataclass
@@ -56,24 +60,30 @@ class Faults:
 class _Part:
     op: Op
     rank: int
-    chunks_left: int
+    mapping: RankMapping
+    layout: KvLayout
+    work: Work
+    event: bytes | None  # the CUDA event a GPU store waits on
+    taken: int = 0  # work[:taken] has been handed to threads
+    running: int = 0  # batches being copied now
     failed: list[int] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
     message: str = ""
 
 
 class HostCopyEngine(CopyEngine):
-    def __init__(
-        self, on_done: Callable[[list[PartDone]], None], arena: HostArena, threads: int = 2, chunk_blocks: int = 32, faults: Faults | None = None
-    ) -> None:
+    def __init__(self, on_done: Callable[[list[PartDone]], None], arena: HostArena, threads: int = 2, faults: Faults | None = None) -> None:
         super().__init__(on_done)
         self.arena = arena
         self.faults = faults or Faults()
         self.layouts: dict[str, KvLayout] = {}
         self.mappings: dict[tuple[str, int], RankMapping] = {}
-        self.chunk_blocks = chunk_blocks  # the most blocks one task copies (so an op cannot hold a thread long)
         self.threads = threads
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-copy")
+        self._cond = threading.Condition()
+        self._loads: deque[_Part] = deque()
+        self._stores: deque[_Part] = deque()
+        self._closing = False
+        self._workers: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._events: dict[tuple[str, int], tuple[int, bytes]] = {}  # (engine, rank) -> last (step, CUDA event handle)
@@ -125,29 +135,65 @@ class HostCopyEngine(CopyEngine):
         work: Work = [
             (i, bid, slot) for i, bid, slot in zip(op.block_indices, op.block_ids, op.tier_slots) if slot is not None and i not in op.failed
         ]
-        n = min(self.chunk_blocks, max(1, -(-len(work) // self.threads)))  # a small op still uses every thread
-        chunks = [work[k : k + n] for k in range(0, len(work), n)] or [[]]
-        part = _Part(op, rank, len(chunks), failed=sorted(op.failed), message=op.message)
-        loop = self._loop
+        if self._closing:
+            self.on_done([PartDone(op.op_id, rank, list(op.block_indices), "the daemon is shutting down")])
+            return
+        if not work:
+            self.on_done([PartDone(op.op_id, rank, sorted(op.failed), op.message)])
+            return
+        part = _Part(op, rank, mapping, layout, work, self._forward_event(op, rank), failed=sorted(op.failed), message=op.message)
+        with self._cond:
+            (self._loads if op.kind is OpKind.LOAD else self._stores).append(part)
+            while len(self._workers) < self.threads:
+                t = threading.Thread(target=self._run, name=f"kvdepot-copy_{len(self._workers)}", daemon=True)
+                self._workers.append(t)
+                t.start()
+            self._cond.notify(self.threads)
 
-        def finished(fut: Future[tuple[list[int], list[int], str]]) -> None:
-            loop.call_soon_threadsafe(self._chunk_done, part, fut)
+    def _take(self) -> tuple[_Part, Work, bool] | None:
+        """The next blocks to copy (under the lock) from the first load, else the first store, and
+        whether they are the part's first; None once closing with nothing left."""
+        while not (self._loads or self._stores):
+            if self._closing:
+                return None
+            self._cond.wait()
+        queue = self._loads or self._stores
+        part = queue[0]
+        left = len(part.work) - part.taken
+        grain = max(1, min(MAX_GRAIN_BLOCKS, GRAIN_BYTES // part.layout.rank_block_bytes))
+        n = max(1, min(grain, -(-left // self.threads)))  # near the end, the rest is shared by every thread
+        first = part.taken == 0
+        batch = part.work[part.taken : part.taken + n]
+        part.taken += len(batch)
+        part.running += 1
+        if part.taken == len(part.work):
+            queue.popleft()
+        return part, batch, first
 
-        for chunk in chunks:
-            self._pool.submit(self._copy, op, layout, mapping, rank, chunk, self._forward_event(op, rank)).add_done_callback(finished)
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                got = self._take()
+            if got is None:
+                return
+            part, batch, first = got
+            try:
+                failed, corrupt, message = self._copy(part.op, part.layout, part.mapping, part.rank, batch, part.event, first)
+            except Exception as e:  # a bug in a copy: its blocks fail, the daemon serves on
+                log.exception("copy of op %d failed", part.op.op_id)
+                failed, corrupt, message = [i for i, _, _ in batch], [], f"copy failed: {e}"
+            with self._cond:
+                part.failed += failed
+                part.corrupt += corrupt
+                part.message = part.message or message
+                part.running -= 1
+                ended = part.running == 0 and part.taken == len(part.work)
+            if ended:
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(self._part_done, part)
 
-    def _chunk_done(self, part: _Part, fut: Future[tuple[list[int], list[int], str]]) -> None:
-        try:
-            failed, corrupt, message = fut.result()
-        except Exception as e:  # a bug in a copy: its blocks fail, the daemon serves on
-            log.exception("copy of op %d failed", part.op.op_id)
-            failed, corrupt, message = list(part.op.block_indices), [], f"copy failed: {e}"
-        part.failed += failed
-        part.corrupt += corrupt
-        part.message = part.message or message
-        part.chunks_left -= 1
-        if part.chunks_left == 0:
-            self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt)])
+    def _part_done(self, part: _Part) -> None:
+        self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt)])
 
     # -- the copies (worker threads) ------------------------------------------------------------------
     def _forward_event(self, op: Op, rank: int) -> bytes | None:
@@ -157,7 +203,9 @@ class HostCopyEngine(CopyEngine):
         got = self._events.get((op.engine_id, rank))
         return got[1] if got is not None and got[0] >= op.step else None
 
-    def _copy(self, op: Op, layout: KvLayout, m: RankMapping, rank: int, work: Work, event: bytes | None = None) -> tuple[list[int], list[int], str]:
+    def _copy(
+        self, op: Op, layout: KvLayout, m: RankMapping, rank: int, work: Work, event: bytes | None, delay: bool
+    ) -> tuple[list[int], list[int], str]:
         kind, pool = op.kind, op.registry.pool
         if event is not None and m.device != "cpu":  # the forward may still be running on the GPU
             self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), event))
@@ -170,7 +218,7 @@ class HostCopyEngine(CopyEngine):
         arena = self.arena
         on_gpu = m.device != "cpu"
         faults = self.faults
-        if kind is OpKind.LOAD and faults.load_delay_ms:
+        if delay and kind is OpKind.LOAD and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
         for i, bid, slot in work:
             if rank not in op.parts_left:  # the op ended (its deadline passed): touch no more engine blocks
@@ -231,4 +279,9 @@ class HostCopyEngine(CopyEngine):
         return stream
 
     async def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=False)
+        """Copies what is queued, then stops the threads."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._workers:
+            await asyncio.to_thread(t.join)
