@@ -65,27 +65,28 @@ def step_columns(req: pb.StepRequest) -> StepColumns:
         got = len(getattr(req, name))
         if got not in (0, n):
             raise InvalidRequest(f"{name} has {got} entries for {n} request_ids (0 or one per request)")
-    ntok = list(req.num_new_tokens)
-    nblk = list(req.num_new_block_ids)
+    # A slice copies a upb container into a plain list in C (a third faster than list() here); the
+    # core then iterates plain lists, which beats indexing upb containers.
+    ntok = req.num_new_tokens[:]
+    nblk = req.num_new_block_ids[:]
     tokens = _token_bytes(req.new_tokens, req.new_tokens_u32le, "new_tokens")
     if sum(ntok) != len(tokens) // 4:
         raise InvalidRequest(f"num_new_tokens add up to {sum(ntok)} but new_tokens has {len(tokens) // 4}")
     if sum(nblk) != len(req.new_block_ids):
         raise InvalidRequest(f"num_new_block_ids add up to {sum(nblk)} but new_block_ids has {len(req.new_block_ids)}")
-    # list() copies in C once; the core then iterates plain lists (faster than upb containers).
     return StepColumns(
-        list(req.request_ids),
-        list(req.is_new),
-        list(req.device_matched_tokens),
-        list(req.loaded_tokens),
-        list(req.computed_tokens),
-        list(req.scheduled_tokens),
+        req.request_ids[:],
+        req.is_new[:],
+        req.device_matched_tokens[:],
+        req.loaded_tokens[:],
+        req.computed_tokens[:],
+        req.scheduled_tokens[:],
         ntok,
         tokens,
         nblk,
-        list(req.new_block_ids),
-        list(req.cache_salt),
-        list(req.lora_name),
+        req.new_block_ids[:],
+        req.cache_salt[:],
+        req.lora_name[:],
     )
 
 

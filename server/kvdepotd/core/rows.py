@@ -27,12 +27,12 @@ def check_columns(cols: StepColumns, finished: list[RequestId], preempted: list[
     if sum(cols.num_new_tokens) * 4 != len(cols.tokens) or sum(cols.num_new_blocks) != len(cols.block_ids):
         raise InvalidRequest("token or block counts do not add up to the tokens and block ids sent")
     ids = cols.request_ids
-    if len(set(ids)) != n:
+    unique = set(ids)
+    if len(unique) != n:
         seen: set[str] = set()
         dup = next(r for r in ids if r in seen or seen.add(r))  # type: ignore[func-returns-value]
         raise InvalidRequest(f"request {dup} appears twice in one step")
-    both = set(ids) & (set(finished) | set(preempted))
-    if both:
+    if (finished or preempted) and (both := unique & {*finished, *preempted}):
         raise InvalidRequest(f"request {sorted(both)[0]} is both updated and finished/preempted in one step")
 
 
