@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BLOCK = 32
 KV_BLOCKS = 320  # each engine's KV space: 10240 tokens (enough for the longest prompt and the decode batch)
+IDLE_S = 1.2  # longer than vLLM's message-queue busy loop (1 s): see settle()
 
 
 def prompt(size: int, variant: int) -> list[int]:
@@ -59,6 +60,15 @@ def engine(model: str, **kw: Any) -> Any:
 def close(llm: Any) -> None:
     llm.llm_engine.engine_core.shutdown()
     gc.collect()
+
+
+def settle() -> None:
+    """Lets the engines used before go idle: vLLM's worker and EngineCore processes keep polling
+    their shared-memory message queues (sched_yield in a loop) for 1 s after their last message,
+    so on two cores an engine used just before takes CPU from the one being measured, and from the
+    daemon's copy threads (a 3500-token daemon hit measured 136 ms right after a local hit on another
+    engine, 69-75 ms with that engine idle)."""
+    time.sleep(IDLE_S)
 
 
 def ttft_ms(llm: Any, toks: list[int]) -> tuple[float, list[int]]:
@@ -131,19 +141,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 order = [(plain, "ttft_recompute_ms"), (depot, "ttft_cold_with_connector_ms")]
                 outs = {}
                 for e, case in order if v % 2 == 0 else order[::-1]:  # alternate who goes first
+                    settle()
                     t, outs[case] = ttft_ms(e, toks)
                     got[case].append(t)
                 want = outs["ttft_recompute_ms"]
                 same = same and outs["ttft_cold_with_connector_ms"] == want
+                settle()  # (the stores of the cold run land meanwhile)
                 got["ttft_local_hit_ms"].append(ttft_ms(plain, toks)[0])
-                time.sleep(0.2)  # the stores land
                 depot.reset_prefix_cache()
+                settle()
                 t, out = ttft_ms(depot, toks)
                 got["ttft_daemon_hit_ms"].append(t)
                 same = same and out == want
                 depot.reset_prefix_cache()
                 ttft_ms(example, toks)
                 example.reset_prefix_cache()
+                settle()
                 got["ttft_example_connector_ms"].append(ttft_ms(example, toks)[0])
                 example.reset_prefix_cache()
             for k in cases:
@@ -154,9 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         plain_tps, kv_tps = [], []
         for k in range(args.decode_repeat):  # interleaved, alternating who goes first, each batch new to both
             if k % 2:
+                settle()
                 kv_tps.append(decode_tps(depot, 200 + k))
+            settle()
             plain_tps.append(decode_tps(plain, 200 + k))
             if not k % 2:
+                settle()
                 kv_tps.append(decode_tps(depot, 200 + k))
         with DepotClient(daemon.tcp, strict=True) as c:
             counters = dict(c.stats().counters)
