@@ -1,15 +1,16 @@
 """The host-tier copy engine: engine KV blocks <-> the host arena, on worker threads.
 
 Parts (one op on one rank) wait in two queues, loads before stores: a load is on the engine's
-critical path (the request cannot run until it lands), a store is not. Each copy thread takes a
-few blocks at a time (about 8 MiB, fewer near a part's end) from the first waiting part, so the
-threads share one large op to its last block instead of one finishing its fixed chunk while the
-other still has a whole one to go. A CPU block is one strided torch copy when its runs are evenly
-spaced in one storage, else one ctypes.memmove per run; both release the GIL, so the threads copy
-at once. CUDA copies go through a dedicated stream and are synchronized before the part reports.
-Stores checksum each (block, rank) with xxh3 after copying; loads check it before copying and
-report a mismatch as a corrupt block (the engine recomputes, the tier drops it). Engines of
-layout kind "none" have no tensors: their parts end at once (bookkeeping only).
+critical path (the request cannot run until it lands), a store is not (under a stream of loads a
+store waits; its op deadline bounds how long, and a store that misses it is only a later miss).
+Each copy thread takes a few blocks at a time (about 8 MiB, fewer near a part's end) from the first
+waiting part, so the threads share one large op to its last block instead of one finishing its
+fixed chunk while the other still has a whole one to go. A CPU block is one strided torch copy
+when its runs are evenly spaced in one storage, else one ctypes.memmove per run; both release the
+GIL, so the threads copy at once. CUDA copies go through a dedicated stream and are synchronized
+before the part reports. Stores checksum each (block, rank) with xxh3 after copying; loads check
+it before copying and report a mismatch as a corrupt block (the engine recomputes, the tier drops
+it). Engines of layout kind "none" have no tensors: their parts end at once (bookkeeping only).
 """
 
 from __future__ import annotations
