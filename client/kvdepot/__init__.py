@@ -4,7 +4,7 @@ from kvdepot.client import DEFAULT_ADDRESS, AsyncDepotClient, DepotClient, Worke
 from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, Unavailable
 from kvdepot.hashing import BlockHash, block_hashes, salt_hash
 from kvdepot.layout import KvLayout
-from kvdepot.messages import LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
+from kvdepot.messages import LoadCopied, LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -15,6 +15,7 @@ __all__ = [
     "FailedPrecondition",
     "InvalidRequest",
     "KvLayout",
+    "LoadCopied",
     "LookupResult",
     "NotFound",
     "OpCompleted",

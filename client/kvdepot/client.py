@@ -97,9 +97,11 @@ class _ClientCore:
     def last_step(self) -> int:
         return self._step
 
-    def _start_registration(self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int, key: str) -> None:
+    def _start_registration(
+        self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int, key: str, late_load_checks: bool
+    ) -> None:
         layout.validate()
-        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key))
+        self._reg = _Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key, late_load_checks))
 
     def _registration_failed(self, e: grpc.RpcError, raise_errors: bool) -> bool:
         """False when the daemon did not answer (the keeper retries); raises a rejection when asked."""
@@ -158,13 +160,16 @@ class DepotClient(_ClientCore):
         update_style: str = "vllm",
         lease_ms: int = 0,
         engine_key: str = "",
+        late_load_checks: bool = False,
     ) -> str:
         """Registers the engine and starts the keeper. Returns the engine id, or "" when the daemon
         did not answer (the keeper keeps trying; engine-path calls are misses until then).
 
         Processes of one engine (a scheduler and its workers) pass the same `engine_key` and share
-        one engine id."""
-        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key)
+        one engine id. `late_load_checks`: the engine can take a load's failure after the step that
+        used the blocks and discard that step's output (vLLM can); its loads then report LoadCopied
+        before their checksums are checked, and OpCompleted after."""
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks)
         self._try_register(raise_errors=True)
         if self._keeper is None:
             self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)
@@ -439,8 +444,9 @@ class AsyncDepotClient(_ClientCore):
         update_style: str = "vllm",
         lease_ms: int = 0,
         engine_key: str = "",
+        late_load_checks: bool = False,
     ) -> str:
-        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key)
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks)
         await self._try_register(raise_errors=True)
         if self._keeper is None:
             self._keeper = asyncio.get_running_loop().create_task(self._keep())

@@ -68,7 +68,15 @@ class RequestReleased:
     request_id: str
 
 
-WorkerEvent = OpCompleted | RequestReleased
+@dataclass(frozen=True, slots=True)
+class LoadCopied:
+    """A load's bytes are in the engine's blocks; its checksums are still being checked and its
+    OpCompleted follows (only for engines registered with late_load_checks)."""
+
+    op_id: int
+
+
+WorkerEvent = OpCompleted | RequestReleased | LoadCopied
 
 
 def cached_update_needed(block_size: int, blocks: int, sent_blocks: int, computed: int, scheduled: int, sent_end: int) -> bool:
@@ -204,7 +212,9 @@ def layout_pb(layout: KvLayout) -> pb.KvLayout:
     )
 
 
-def register_pb(model: str, layout: KvLayout, name: str, namespace: str, style: str, lease_ms: int, key: str = "") -> pb.RegisterEngineRequest:
+def register_pb(
+    model: str, layout: KvLayout, name: str, namespace: str, style: str, lease_ms: int, key: str = "", late_load_checks: bool = False
+) -> pb.RegisterEngineRequest:
     if style not in STYLES:
         raise ValueError(f"update_style must be one of {sorted(STYLES)}, got {style!r}")
     return pb.RegisterEngineRequest(
@@ -215,6 +225,7 @@ def register_pb(model: str, layout: KvLayout, name: str, namespace: str, style: 
         update_style=STYLES[style],
         lease_ms=lease_ms,
         engine_key=key,
+        late_load_checks=late_load_checks,
     )
 
 
@@ -243,8 +254,10 @@ def step_result(r: pb.StepResponse) -> StepResult:
 
 
 def worker_events(ev: pb.WorkerEvent) -> list[WorkerEvent]:
-    """A batch from the stream, completions first (a release follows its request's last op)."""
-    out: list[WorkerEvent] = [
+    """A batch from the stream: copies, then completions (an op that ended in the same batch was
+    copied first), then releases (a release follows its request's last op)."""
+    out: list[WorkerEvent] = [LoadCopied(op_id) for op_id in ev.copied]
+    out += [
         OpCompleted(o.op_id, _KIND[o.kind], o.request_id, o.success, tuple(o.failed_block_ids), o.message)  # type: ignore[arg-type]
         for o in ev.completed
     ]

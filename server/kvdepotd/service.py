@@ -22,7 +22,7 @@ import grpc
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
-from kvdepotd.core.depot import Depot, OpCompleted
+from kvdepotd.core.depot import Depot, LoadCopied, OpCompleted
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.errors import status_of
@@ -104,7 +104,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
     def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None) -> None:
         self.depot = depot
         self.metrics = metrics
-        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults)
+        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied)
         self._pumping = False
         self.channels: dict[tuple[EngineId, int], WorkerChannel] = {}
         self.backlog: dict[tuple[EngineId, int], deque[pb.WorkerEvent]] = {}
@@ -182,6 +182,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 msg = batches[ev.engine_id] = pb.WorkerEvent()
             if isinstance(ev, OpCompleted):
                 msg.completed.append(convert.op_completed_pb(ev.op))
+            elif isinstance(ev, LoadCopied):
+                msg.copied.append(ev.op_id)
             else:
                 msg.released.append(ev.request_id)
         for engine_id, msg in batches.items():
@@ -199,6 +201,10 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 ch.queue.put_nowait(msg)
             else:
                 self.backlog.setdefault(key, deque(maxlen=BACKLOG)).append(msg)
+
+    def _part_copied(self, op_id: int, rank: int) -> None:
+        self.depot.part_copied(OpId(op_id), rank)
+        self._pump()
 
     def _parts_done(self, done: list[PartDone]) -> None:
         for d in done:
@@ -241,6 +247,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             lease_ms=request.lease_ms,
             now_ms=self.now_ms(),
             key=request.engine_key,
+            late_load_checks=request.late_load_checks,
         )
         engine_id = eng.engine_id
         if joined:
@@ -248,8 +255,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
         else:
             self.copy.add_engine(engine_id, eng.layout)
             log.info(
-                "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s",
-                engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value,
+                "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s late_load_checks=%s",
+                engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value, eng.late_load_checks,
             )
         return pb.RegisterEngineResponse(
             engine_id=engine_id,

@@ -118,3 +118,54 @@ def test_a_load_overtakes_queued_stores(monkeypatch: pytest.MonkeyPatch) -> None
         kv.close()
 
     asyncio.run(main())
+
+
+def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> None:
+    """For an engine that takes load failures after its forward (vLLM): the copy engine says the
+    bytes are in once every block is copied, corrupt ones included, then reports the block whose
+    checksum failed; the intact block arrived byte-exact."""
+
+    async def main() -> None:
+        arena = HostArena(1 << 20)
+        depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
+        seen: list[str] = []
+
+        def copied(op_id: int, rank: int) -> None:
+            seen.append("copied")
+            depot.part_copied(OpId(op_id), rank)
+
+        def done(parts: list[PartDone]) -> None:
+            seen.extend("done" for _ in parts)
+            for d in parts:
+                depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
+
+        copy = HostCopyEngine(done, arena, on_copied=copied)
+        depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0, late_load_checks=True)
+        copy.add_engine(E, LAYOUT)
+        kv = FakeKv(LAYOUT, num_blocks=8)
+        [req] = kv.share()
+        copy.add_mapping(map_rank(E, LAYOUT, req))
+        toks = list(range(40, 73))
+        kv.write([0, 1, 2], toks, range(33))
+        depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 33, tokens_to_bytes(toks), (0, 1, 2))], [], [], 0)
+        depot.forward_done(E, 0, 1)
+        await run_ops(depot, copy)
+        reg = depot.engines[E].domain.registry
+        h1 = depot.slot(E, RequestId("a")).hashes[1]
+        arena.tensor[reg.pool.byte_offset(reg.entries[h1].slot) + 100] ^= 0xFF
+        assert depot.lookup(E, RequestId("b"), tokens_to_bytes(toks), cache_salt="", lora_name="", device_matched_tokens=0, pin_ms=0, now_ms=0).matched_tokens == 32
+        kv.poison([4, 5])
+        seen.clear()
+        depot.step(E, 2, [SlotUpdate(RequestId("b"), True, 32, 1, tokens_to_bytes(toks), (4, 5, 6), 0, 32)], [], [], 0)
+        events = await run_ops(depot, copy)
+        [load] = [e.op for e in events if e.op.kind is OpKind.LOAD]
+        assert seen == ["copied", "done"]
+        assert load.check_late and load.failed == {1} and load.corrupt == {1}
+        assert kv.mismatches([4], toks, 16) == []  # block 0 arrived byte-exact
+        assert kv.mismatches([4, 5], toks, 32) != []  # block 1's bad bytes went in before the check caught them
+        assert h1 not in reg.entries and depot.counters["checksum_failures"] == 1
+        depot.check_invariants()
+        await copy.close()
+        kv.close()
+
+    asyncio.run(main())

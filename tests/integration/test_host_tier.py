@@ -215,3 +215,44 @@ def test_cuda_event_on_a_cpu_engine_is_ignored(depot: DaemonProcess) -> None:
     assert e.done[rid].kv_mismatches == []
     assert e.client.stats().counters["stored_blocks"] >= 4
     close(e)
+
+
+def test_late_load_checks_over_the_daemon() -> None:
+    """An engine registered with late_load_checks hears LoadCopied for a load before its
+    OpCompleted; the daemon corrupts the first block it loads (fault injection), and the
+    completion names that block while the other arrives byte-exact."""
+    from kvdepot import LoadCopied, OpCompleted, StepBatch
+    from kvdepot.testing.kv import FakeKv
+
+    d = DaemonProcess(args=["--host-gib", "0.0625", "--fault-corrupt-loads", "1"]).start()
+    lay = layout("vllm_cpu")
+    kv = FakeKv(lay, num_blocks=16)
+    try:
+        with DepotClient(d.tcp, strict=True) as c:
+            c.register_engine("late", lay, late_load_checks=True)
+            w = c.worker(0)
+            assert w.attached.wait(10)
+            [req] = kv.share()
+            assert w.register_kv_caches(req)
+            toks = list(range(900, 933))  # blocks 0 and 1 full
+            kv.write([0, 1, 2], toks, range(33))
+            b = StepBatch()
+            b.new("a", toks, [0, 1, 2], computed=0, scheduled=33)
+            w.forward_done(c.step(b).step)
+            w.wait(lambda evs: any(isinstance(e, OpCompleted) for e in evs), 10)
+            assert c.lookup("b", toks).matched_tokens == 32
+            kv.poison([4, 5])
+            b = StepBatch()
+            b.new("b", toks, [4, 5, 6], computed=32, scheduled=1, loaded=32)
+            res = c.step(b)
+            [load] = [op for op in res.ops if op.kind == "load"]
+            evs = w.wait(lambda evs: any(isinstance(e, OpCompleted) and e.op_id == load.op_id for e in evs), 10)
+            mine = [e for e in evs if getattr(e, "op_id", None) == load.op_id]
+            assert [type(e) for e in mine] == [LoadCopied, OpCompleted]
+            done = mine[1]
+            assert isinstance(done, OpCompleted) and not done.success and done.failed_block_ids == (4,)
+            assert all(pos < 16 for pos in kv.mismatches([4, 5], toks, 32))  # block 1 (engine block 5) arrived intact
+            w.close()
+    finally:
+        kv.close()
+        assert d.stop() == 0

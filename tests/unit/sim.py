@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvdepot.hashing import tokens_to_bytes
 from kvdepot.layout import KvLayout
-from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted, RequestReleased, StepPlan
+from kvdepotd.core.depot import Depot, DepotConfig, Event, OpCompleted, RequestReleased, StepPlan
 from kvdepotd.core.ops import EngineId, Op, OpKind, RequestId
 from kvdepotd.core.slots import BlockState, SlotUpdate, UpdateStyle
 
@@ -30,6 +30,7 @@ class Sim:
         world_size: int = 1,
         depot: Depot | None = None,
         name: str = "e0",
+        late_load_checks: bool = False,
     ) -> None:
         lay = layout(world_size)
         self.style = style
@@ -37,11 +38,12 @@ class Sim:
         self.now = 1_000
         self.engine = EngineId(name)
         self.depot.register_engine(
-            self.engine, name=name, model="m", layout=lay, namespace="", style=style, lease_ms=60_000, now_ms=self.now
+            self.engine, name=name, model="m", layout=lay, namespace="", style=style, lease_ms=60_000, now_ms=self.now,
+            late_load_checks=late_load_checks,
         )
         self.world_size = world_size
         self.step_no = 0
-        self.events: list[OpCompleted | RequestReleased] = []
+        self.events: list[Event] = []
 
     # -- engine actions ---------------------------------------------------------------------------
     def lookup(self, rid: str, tokens: list[int], L: int = 0) -> int:

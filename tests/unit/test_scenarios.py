@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvdepotd.core.depot import LoadCopied, OpCompleted
 from kvdepotd.core.errors import FailedPrecondition, NotFound
 from kvdepotd.core.ops import OpKind
 from kvdepotd.core.slots import BlockState, UpdateStyle
@@ -421,3 +422,34 @@ def test_first_step_reuses_the_lookups_hash_chain(monkeypatch: pytest.MonkeyPatc
     sim.step(sim.new("c", other, S=len(other), table=list(range(20, 27))))
     assert sim.depot.engines[sim.engine].slots[RequestId("c")].hashes == block_hashes(tokens_to_bytes(other), BS, slot.seed)
     assert sum(hashed) == 6
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_late_checked_load_says_copied_once_every_rank_has(late: bool) -> None:
+    """An engine that can take a load's failure after the forward (vLLM) hears LoadCopied once the
+    bytes are in on every rank, then the OpCompleted with the checks' result; others never hear it."""
+    sim = Sim(world_size=2, late_load_checks=late)
+    P = prompt(48)
+    sim.prefill_and_store("a", P)
+    assert sim.lookup("b", P) == 32  # a block-aligned hit keeps the last block for the engine
+    plan = sim.step(sim.new("b", P, E=32, S=16, table=[7, 8, 9]))
+    [load] = [op for op in plan.ops if op.kind is OpKind.LOAD]
+    assert load.check_late is late
+    sim.depot.take_ready()
+    # Rank 0 has copied its bytes: nothing to say yet.
+    sim.depot.part_copied(load.op_id, 0)
+    assert not [e for e in sim.depot.take_events() if isinstance(e, LoadCopied)]
+    # Rank 1 too (reported twice): one LoadCopied for a late-checked load.
+    sim.depot.part_copied(load.op_id, 1)
+    sim.depot.part_copied(load.op_id, 1)
+    copied = [e.op_id for e in sim.depot.take_events() if isinstance(e, LoadCopied)]
+    assert copied == ([load.op_id] if late else [])
+    # The checks end: block 1 was corrupt on rank 0. The op fails that block and the tier drops it.
+    sim.depot.complete_part(load.op_id, 0, [1], "checksum mismatch", [1])
+    sim.depot.complete_part(load.op_id, 1)
+    [done] = [e.op for e in sim.depot.take_events() if isinstance(e, OpCompleted)]
+    assert done.op_id == load.op_id and done.failed == {1} and sim.states("b")[:2] == [BlockState.LOADED, BlockState.LOAD_FAILED]
+    assert sim.resident(P) == 1
+    sim.depot.part_copied(load.op_id, 0)  # after the end: ignored
+    assert not sim.depot.take_events()
+    sim.depot.check_invariants()

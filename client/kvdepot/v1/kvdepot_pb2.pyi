@@ -64,7 +64,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ..., kind: _Optional[_Union[KvLayoutKind, str]] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key")
+    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key", "late_load_checks")
     ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class RegisterEngineRequest(_message.Message):
     UPDATE_STYLE_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_KEY_FIELD_NUMBER: _ClassVar[int]
+    LATE_LOAD_CHECKS_FIELD_NUMBER: _ClassVar[int]
     engine_name: str
     model: str
     layout: KvLayout
@@ -79,7 +80,8 @@ class RegisterEngineRequest(_message.Message):
     update_style: UpdateStyle
     lease_ms: int
     engine_key: str
-    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ...) -> None: ...
+    late_load_checks: bool
+    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ..., late_load_checks: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks", "joined")
@@ -322,7 +324,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, attach: _Optional[_Union[WorkerMessage.Attach, _Mapping]] = ..., forward_done: _Optional[_Union[WorkerMessage.ForwardDone, _Mapping]] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("attached", "completed", "released")
+    __slots__ = ("attached", "completed", "released", "copied")
     class Attached(_message.Message):
         __slots__ = ("rank",)
         RANK_FIELD_NUMBER: _ClassVar[int]
@@ -346,10 +348,12 @@ class WorkerEvent(_message.Message):
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    COPIED_FIELD_NUMBER: _ClassVar[int]
     attached: WorkerEvent.Attached
     completed: _containers.RepeatedCompositeFieldContainer[WorkerEvent.OpCompleted]
     released: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, attached: _Optional[_Union[WorkerEvent.Attached, _Mapping]] = ..., completed: _Optional[_Iterable[_Union[WorkerEvent.OpCompleted, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ...) -> None: ...
+    copied: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, attached: _Optional[_Union[WorkerEvent.Attached, _Mapping]] = ..., completed: _Optional[_Iterable[_Union[WorkerEvent.OpCompleted, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., copied: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -8,7 +8,8 @@ Primitives (called by the service on the event loop, one at a time; `now_ms` is 
     take_ready() -> [(Op, rank)]      op parts the copy engine should run now
     complete_part(op_id, rank, failed_indices, message)   the copy engine's report for one part
     expire(now_ms)                    ends ops, pins and leases past their deadlines
-    take_events() -> [OpCompleted | RequestReleased]      what the workers must be told
+    part_copied(op_id, rank)          a late-checked load's bytes reached the engine on one rank
+    take_events() -> [OpCompleted | RequestReleased | LoadCopied]      what the workers must be told
     clear(), stats(), slot_blocks(), block_info()          admin and inspection
 
 The disk tier (G3, when config.disk_bytes > 0) is a second registry per layout class. Lookups
@@ -164,6 +165,17 @@ class RequestReleased:
     request_id: RequestId
 
 
+@dataclass(frozen=True, slots=True)
+class LoadCopied:
+    """A check_late load's bytes are in the engine's blocks on every rank (its OpCompleted follows)."""
+
+    engine_id: EngineId
+    op_id: OpId
+
+
+Event = OpCompleted | RequestReleased | LoadCopied
+
+
 @dataclass(slots=True)
 class Engine:
     engine_id: EngineId
@@ -176,6 +188,7 @@ class Engine:
     lease_expires_ms: int
     domain: Domain
     key: str = ""
+    late_load_checks: bool = False  # its loads report LoadCopied before their checksums are checked
     slots: dict[RequestId, Slot] = field(default_factory=dict)
     pins: dict[RequestId, LookupPin] = field(default_factory=dict)
     last_step: int = -1
@@ -205,7 +218,7 @@ class Depot:
         self.ops = OpTable(config.first_op_id)
         self.counters: Counter[str] = Counter()
         self._ready: list[tuple[Op, int]] = []
-        self._events: list[OpCompleted | RequestReleased] = []
+        self._events: list[Event] = []
         self._slot_epoch: dict[tuple[EngineId, RequestId], int] = {}
 
     # -- engines -------------------------------------------------------------------------------
@@ -221,6 +234,7 @@ class Depot:
         lease_ms: int,
         now_ms: int,
         key: str = "",
+        late_load_checks: bool = False,
     ) -> tuple[Engine, bool]:
         """A new engine under `engine_id`, or, when `key` names a live engine, that engine (joined:
         its lease is renewed) and True."""
@@ -247,7 +261,7 @@ class Depot:
             eng.lease_expires_ms = max(eng.lease_expires_ms, now_ms + lease)
             return eng, True
         domain = self._domain(layout)
-        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key)
+        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key, late_load_checks)
         self.engines[engine_id] = eng
         if key:
             self.by_key[key] = engine_id
@@ -580,6 +594,7 @@ class Depot:
             world_size=eng.layout.world_size,
             registry=eng.domain.registry,
             epoch=self._slot_epoch.get((eng.engine_id, slot.request_id), 0),
+            check_late=kind is OpKind.LOAD and eng.late_load_checks,
         )
 
     def _add_op(self, eng: Engine, slot: Slot, op: Op, plan: StepPlan) -> None:
@@ -651,6 +666,13 @@ class Depot:
         ready, self._ready = self._ready, []
         return [(op, r) for op, r in ready if op.op_id in self.ops.ops]
 
+    def part_copied(self, op_id: OpId, rank: int) -> None:
+        """A check_late load's part has copied its bytes into the engine (its checksums are being
+        checked); the engine hears once every rank has."""
+        op = self.ops.part_copied(op_id, rank)
+        if op is not None:
+            self._events.append(LoadCopied(op.engine_id, op.op_id))
+
     def complete_part(
         self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "", corrupt: list[int] | None = None
     ) -> None:
@@ -702,7 +724,7 @@ class Depot:
                 self._release_slot(eng, slot.request_id)
                 self._events.append(RequestReleased(eng.engine_id, slot.request_id))
 
-    def take_events(self) -> list[OpCompleted | RequestReleased]:
+    def take_events(self) -> list[Event]:
         events, self._events = self._events, []
         return events
 

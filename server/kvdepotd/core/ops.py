@@ -6,6 +6,7 @@ Primitives:
     OpTable.release(op) -> list[(op, rank)]   a held load whose disk blocks reached the host tier: all its parts
     OpTable.forward_done(engine, rank, step) -> list[(op, rank)]   store parts that may start now
     OpTable.finish_part(op_id, rank, failed) -> Op | None          the op when its last part ended
+    OpTable.part_copied(op_id, rank) -> Op | None    a check_late load when every rank has copied
     OpTable.expired(now_ms) -> list[Op]      ops past their deadline (their unfinished parts count as failed)
 
 Every op ends exactly once: all parts reported, its deadline, or cancellation. A part reported
@@ -54,6 +55,8 @@ class Op:
     message: str = ""
     staging: set[int] = field(default_factory=set)  # block indices still being read from disk into the host tier
     held: bool = False  # a load waits for its staging before any part starts
+    check_late: bool = False  # a load that reports its bytes copied before its checksums are checked
+    copied: set[int] = field(default_factory=set)  # ranks whose part copied its bytes (check_late loads)
 
     @property
     def success(self) -> bool:
@@ -114,6 +117,13 @@ class OpTable:
     def is_waiting_forward(self, op: Op) -> bool:
         """True while no rank has started the op (it can still be cancelled without touching bytes)."""
         return not op.started
+
+    def part_copied(self, op_id: OpId, rank: int) -> Op | None:
+        op = self.ops.get(op_id)
+        if op is None or not op.check_late or rank not in op.parts_left or rank in op.copied:
+            return None
+        op.copied.add(rank)
+        return op if len(op.copied) == op.world_size else None
 
     def finish_part(
         self, op_id: OpId, rank: int, failed: list[int] | None = None, message: str = "", corrupt: list[int] | None = None

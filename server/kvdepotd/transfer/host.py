@@ -65,16 +65,26 @@ class _Part:
     layout: KvLayout
     work: Work
     event: bytes | None  # the CUDA event a GPU store waits on
-    taken: int = 0  # work[:taken] has been handed to threads
+    taken: int = 0  # work[:taken] has been handed to threads (in the current pass)
     running: int = 0  # batches being copied now
+    checking: bool = False  # a late-checked load in its second pass (its bytes are in the engine)
+    injected: set[int] = field(default_factory=set)  # blocks corrupted by fault injection (tests)
     failed: list[int] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
     message: str = ""
 
 
 class HostCopyEngine(CopyEngine):
-    def __init__(self, on_done: Callable[[list[PartDone]], None], arena: HostArena, threads: int = 2, faults: Faults | None = None) -> None:
+    def __init__(
+        self,
+        on_done: Callable[[list[PartDone]], None],
+        arena: HostArena,
+        threads: int = 2,
+        faults: Faults | None = None,
+        on_copied: Callable[[int, int], None] | None = None,
+    ) -> None:
         super().__init__(on_done)
+        self.on_copied = on_copied  # (op id, rank): a late-checked load's bytes are in the engine
         self.arena = arena
         self.faults = faults or Faults()
         self.layouts: dict[str, KvLayout] = {}
@@ -179,19 +189,29 @@ class HostCopyEngine(CopyEngine):
                 return
             part, batch, first = got
             try:
-                failed, corrupt, message = self._copy(part.op, part.layout, part.mapping, part.rank, batch, part.event, first)
+                failed, corrupt, message = self._copy(part, batch, first)
             except Exception as e:  # a bug in a copy: its blocks fail, the daemon serves on
                 log.exception("copy of op %d failed", part.op.op_id)
                 failed, corrupt, message = [i for i, _, _ in batch], [], f"copy failed: {e}"
+            assert self._loop is not None
             with self._cond:
                 part.failed += failed
                 part.corrupt += corrupt
                 part.message = part.message or message
                 part.running -= 1
-                ended = part.running == 0 and part.taken == len(part.work)
-            if ended:
-                assert self._loop is not None
-                self._loop.call_soon_threadsafe(self._part_done, part)
+                if part.running or part.taken < len(part.work):
+                    continue
+                if part.op.check_late and not part.checking:  # copied: the engine may go on; now check
+                    part.checking, part.taken = True, 0
+                    self._loads.append(part)
+                    self._cond.notify(self.threads)
+                    self._loop.call_soon_threadsafe(self._part_copied, part)
+                    continue
+            self._loop.call_soon_threadsafe(self._part_done, part)
+
+    def _part_copied(self, part: _Part) -> None:
+        if self.on_copied is not None:
+            self.on_copied(part.op.op_id, part.rank)
 
     def _part_done(self, part: _Part) -> None:
         self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt)])
@@ -204,22 +224,23 @@ class HostCopyEngine(CopyEngine):
         got = self._events.get((op.engine_id, rank))
         return got[1] if got is not None and got[0] >= op.step else None
 
-    def _copy(
-        self, op: Op, layout: KvLayout, m: RankMapping, rank: int, work: Work, event: bytes | None, delay: bool
-    ) -> tuple[list[int], list[int], str]:
-        kind, pool = op.kind, op.registry.pool
-        if event is not None and m.device != "cpu":  # the forward may still be running on the GPU
-            self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), event))
+    def _copy(self, part: _Part, work: Work, first: bool) -> tuple[list[int], list[int], str]:
+        """Copies (and checks) `work` of a part. A late-checked load runs in two passes over its
+        blocks: one that only copies (`part.checking` False), then one that only checks."""
+        op, m, rank = part.op, part.mapping, part.rank
+        if part.event is not None and m.device != "cpu":  # the forward may still be running on the GPU
+            self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), part.event))
+        store = op.kind is OpKind.STORE
+        copy = store or not part.checking
+        check = not store and (part.checking or not op.check_late)
         failed: list[int] = []
         corrupt: list[int] = []
         message = ""
-        rank_bytes = layout.rank_block_bytes
+        rank_bytes = part.layout.rank_block_bytes
         rank_off = rank * rank_bytes
-        cls = layout.layout_class
-        arena = self.arena
-        on_gpu = m.device != "cpu"
-        faults = self.faults
-        if delay and kind is OpKind.LOAD and faults.load_delay_ms:  # once per load, in its first batch
+        cls = part.layout.layout_class
+        arena, pool, faults = self.arena, op.registry.pool, self.faults
+        if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
         for i, bid, slot in work:
             if rank not in op.parts_left:  # the op ended (its deadline passed): touch no more engine blocks
@@ -230,37 +251,49 @@ class HostCopyEngine(CopyEngine):
                 continue
             hoff = pool.byte_offset(slot) + rank_off
             key = (cls, slot, rank)
-            if kind is OpKind.STORE:
-                if on_gpu:
-                    self._device_copy(m, bid, hoff, to_host=True)
-                elif m.uniform is not None:  # one strided copy (torch releases the GIL and vectorizes)
-                    arena.tensor.narrow(0, hoff, rank_bytes).view(m.uniform[4], m.uniform[3]).copy_(m.block_view(bid))
-                else:
-                    host = arena.base + hoff
-                    for r in m.runs:
-                        _memmove(host + r.host_offset, r.address + bid * r.block_stride, r.nbytes)
+            if store:
+                self._to_host(m, bid, hoff, rank_bytes)
                 arena.checksums[key] = _xxh3_at(arena.base + hoff, rank_bytes)
                 arena.verified.discard(key)
-            else:
-                injected = bool(faults.corrupt_loads) and faults.take_corruption()
-                if injected:
-                    ctypes.memset(arena.base + hoff, 0x5A, 64)
-                want = arena.checksums.get(key)
-                if key in arena.verified and not injected:
-                    arena.verified.discard(key)  # read from disk for this load and checked there a moment ago
-                elif want is None or _xxh3_at(arena.base + hoff, rank_bytes) != want:
-                    corrupt.append(i)
-                    message = message or "checksum mismatch in the host tier"
-                    continue
-                if on_gpu:
-                    self._device_copy(m, bid, hoff, to_host=False)
-                elif m.uniform is not None:
-                    m.block_view(bid).copy_(arena.tensor.narrow(0, hoff, rank_bytes).view(m.uniform[4], m.uniform[3]))
-                else:
-                    host = arena.base + hoff
-                    for r in m.runs:
-                        _memmove(r.address + bid * r.block_stride, host + r.host_offset, r.nbytes)
+                continue
+            if copy and faults.corrupt_loads and faults.take_corruption():
+                ctypes.memset(arena.base + hoff, 0x5A, 64)
+                part.injected.add(i)
+            if check and not self._intact(key, hoff, rank_bytes, i in part.injected):
+                corrupt.append(i)
+                message = message or "checksum mismatch in the host tier"
+                continue
+            if copy:
+                self._to_engine(m, bid, hoff, rank_bytes)
         return failed, corrupt, message
+
+    def _intact(self, key: tuple[str, SlotId, int], hoff: int, nbytes: int, injected: bool) -> bool:
+        arena = self.arena
+        if key in arena.verified and not injected:
+            arena.verified.discard(key)  # read from disk for this load and checked there a moment ago
+            return True
+        want = arena.checksums.get(key)
+        return want is not None and _xxh3_at(arena.base + hoff, nbytes) == want
+
+    def _to_host(self, m: RankMapping, bid: int, hoff: int, nbytes: int) -> None:
+        if m.device != "cpu":
+            self._device_copy(m, bid, hoff, to_host=True)
+        elif m.uniform is not None:  # one strided copy (torch releases the GIL and vectorizes)
+            self.arena.tensor.narrow(0, hoff, nbytes).view(m.uniform[4], m.uniform[3]).copy_(m.block_view(bid))
+        else:
+            host = self.arena.base + hoff
+            for r in m.runs:
+                _memmove(host + r.host_offset, r.address + bid * r.block_stride, r.nbytes)
+
+    def _to_engine(self, m: RankMapping, bid: int, hoff: int, nbytes: int) -> None:
+        if m.device != "cpu":
+            self._device_copy(m, bid, hoff, to_host=False)
+        elif m.uniform is not None:
+            m.block_view(bid).copy_(self.arena.tensor.narrow(0, hoff, nbytes).view(m.uniform[4], m.uniform[3]))
+        else:
+            host = self.arena.base + hoff
+            for r in m.runs:
+                _memmove(r.address + bid * r.block_stride, host + r.host_offset, r.nbytes)
 
     def _device_copy(self, m: RankMapping, bid: int, hoff: int, to_host: bool) -> None:
         """One block between a CUDA KV cache and the (pinned) host arena, on the rank's stream."""
