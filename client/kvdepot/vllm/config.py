@@ -13,6 +13,11 @@
                         "recompute", because a failed or late load of a cache must cost a hit, not
                         fail the request)
     engine_name         shown in ListEngines and the daemon's log (default "vllm")
+    late_load_checks    a synchronous load lets the forward start once its bytes are copied; the
+                        daemon checks the checksums meanwhile and a corrupt block is reported
+                        through get_block_ids_with_load_errors after the forward, which makes vLLM
+                        drop that step's output for the request and recompute from the block
+                        (default true; false: the forward waits for the checks too)
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from typing import Any
 
 from kvdepot.client import DEFAULT_ADDRESS
 
-KEYS = ("address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name")
+KEYS = (
+    "address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name",
+    "late_load_checks",
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ConnectorConfig:
     release_timeout_s: float = 35.0
     keep_fail_policy: bool = False
     engine_name: str = "vllm"
+    late_load_checks: bool = True
 
     @staticmethod
     def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -43,7 +43,7 @@ from kvdepot import handles
 from kvdepot.client import DepotClient, WorkerLink
 from kvdepot.errors import DepotError
 from kvdepot.layout import KvLayout
-from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult, cached_update_needed
+from kvdepot.messages import LoadCopied, OpCompleted, RequestReleased, StepBatch, StepResult, cached_update_needed
 from kvdepot.vllm.config import ConnectorConfig
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
 def _connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str) -> DepotClient | None:
     client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000)
     try:
-        engine_id = client.register_engine(model, layout, name=name, namespace=cfg.namespace, engine_key=key)
+        engine_id = client.register_engine(model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_load_checks)
     except DepotError as e:
         log.error("kvdepot: the daemon at %s refused the engine (%s); the connector stays off", cfg.address, e)
         client.close()
@@ -475,6 +475,8 @@ class _Worker:
         self.link: WorkerLink | None = None
         self.cuda = False
         self.done: collections.OrderedDict[int, OpCompleted] = collections.OrderedDict()
+        self.copied: set[int] = set()  # loads whose bytes are in (late checks: their OpCompleted follows)
+        self.checking: list[LoadJob] = []  # this step's synchronous loads, until their checks end
         self.released: set[str] = set()
         self.async_jobs: dict[str, LoadJob] = {}
         self.load_errors: set[int] = set()
@@ -515,6 +517,9 @@ class _Worker:
             if isinstance(ev, OpCompleted):
                 self.done[ev.op_id] = ev
                 self.new_completed.add(ev.op_id)
+                self.copied.discard(ev.op_id)
+            elif isinstance(ev, LoadCopied):
+                self.copied.add(ev.op_id)
             elif isinstance(ev, RequestReleased):
                 self.released.add(ev.request_id)
         while len(self.done) > 100_000:  # completions nobody waits for (stores): keep a window
@@ -535,9 +540,14 @@ class _Worker:
             return True
         return time.time() * 1000 > job.deadline_ms + 500 or self._gone()
 
+    def _in_place(self, job: LoadJob) -> bool:
+        """The job's bytes are in the engine's blocks (checked or still being checked), or it is settled."""
+        return all(op in self.done or op in self.copied for op in job.ops) or self._settled(job)
+
     def _fail_unloaded(self, job: LoadJob) -> None:
         ok: set[int] = set()
         for op_id, blocks in job.ops.items():
+            self.copied.discard(op_id)
             ev = self.done.pop(op_id, None)
             if ev is not None:
                 ok.update(set(blocks) - set(ev.failed_block_ids))
@@ -567,9 +577,11 @@ class _Worker:
                 self.async_jobs[job.request_id] = job
         if not sync:
             return
-        self._wait(lambda: all(self._settled(job) for job in sync))
-        for job in sync:
-            self._fail_unloaded(job)
+        # The forward may start once the bytes are in place; whether they were intact is known by
+        # the end of the step (take_load_errors), and vLLM drops a step's output for a request whose
+        # loaded blocks it is told failed after the forward.
+        self._wait(lambda: all(self._in_place(job) for job in sync))
+        self.checking += sync
 
     def forward_done(self, step: int) -> None:
         if self.link is None or step <= 0:
@@ -608,6 +620,12 @@ class _Worker:
         return sending or None, recving or None
 
     def take_load_errors(self) -> set[int]:
+        """After the forward: the blocks of this step's loads that did not arrive intact."""
+        if self.checking:
+            jobs, self.checking = self.checking, []
+            self._wait(lambda: all(self._settled(job) for job in jobs))
+            for job in jobs:
+                self._fail_unloaded(job)
         out, self.load_errors = self.load_errors, set()
         return out
 
