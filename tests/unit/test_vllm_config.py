@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvdepot.layout import KvLayout
 from kvdepot.vllm.config import KEYS, ConnectorConfig
 
 
@@ -30,6 +31,7 @@ def test_values_are_coerced_from_json_and_cli_strings() -> None:
         ({"step_timeout_ms": 0}, "step_timeout_ms must be positive"),
         ({"namespace": 3}, "namespace must be a string"),
         ({"address": ""}, "address must name the daemon"),
+        ({"late_load_checks": "sometimes"}, "late_load_checks must be auto, true or false"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict[str, object], message: str) -> None:
@@ -43,3 +45,15 @@ def test_every_key_is_in_the_readme() -> None:
     readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     for key in KEYS:
         assert f"| `{key}` |" in readme, key
+
+
+@pytest.mark.parametrize(
+    "value, on_cpu, on_gpu",
+    [(None, False, True), ("auto", False, True), (True, True, True), ("true", True, True), (False, False, False), ("false", False, False)],
+)
+def test_late_load_checks_by_device(value: object, on_cpu: bool, on_gpu: bool) -> None:
+    """auto: late checks for a GPU KV cache only (on CPU the check competes with the forward)."""
+    cfg = ConnectorConfig.from_extra({} if value is None else {"late_load_checks": value})
+    cpu = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")
+    gpu = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_flash")
+    assert cfg.late_checks_for(cpu) is on_cpu and cfg.late_checks_for(gpu) is on_gpu

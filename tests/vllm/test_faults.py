@@ -103,9 +103,11 @@ def test_daemon_killed_during_a_load(fresh_llm: list, model_dir: str, expected: 
     assert generate(llm, [Q])[0][0] == expected["Q"]
 
 
-def test_corrupted_block_is_caught_and_recomputed(fresh_llm: list, model_dir: str, expected: dict[str, list[int]]) -> None:  # type: ignore[type-arg]
+@pytest.mark.parametrize("late", ["false", "true"])
+def test_corrupted_block_is_caught_and_recomputed(fresh_llm: list, model_dir: str, expected: dict[str, list[int]], late: str) -> None:  # type: ignore[type-arg]
+    """late: the forward runs on the corrupt block before its check fails; vLLM drops that output."""
     with DaemonProcess(args=["--host-gib", "0.25", "--fault-corrupt-loads", "1"]) as d:
-        llm = make(fresh_llm, model_dir, d.tcp)
+        llm = make(fresh_llm, model_dir, d.tcp, extra={"late_load_checks": late})
         assert generate(llm, [P])[0][0] == expected["P"]
         llm.reset_prefix_cache()
         assert generate(llm, [P])[0][0] == expected["P"]

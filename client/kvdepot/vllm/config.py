@@ -13,11 +13,14 @@
                         "recompute", because a failed or late load of a cache must cost a hit, not
                         fail the request)
     engine_name         shown in ListEngines and the daemon's log (default "vllm")
-    late_load_checks    a synchronous load lets the forward start once its bytes are copied; the
-                        daemon checks the checksums meanwhile and a corrupt block is reported
-                        through get_block_ids_with_load_errors after the forward, which makes vLLM
-                        drop that step's output for the request and recompute from the block
-                        (default true; false: the forward waits for the checks too)
+    late_load_checks    true: a synchronous load lets the forward start once its bytes are
+                        copied; the daemon checks the checksums meanwhile and a corrupt block is
+                        reported through get_block_ids_with_load_errors after the forward, which
+                        makes vLLM drop that step's output for the request and recompute from the
+                        block. false: the forward waits for the checks. auto (default): true when
+                        the KV cache is on a GPU (the check is CPU work beside the device copy and
+                        the GPU's forward), false on CPU (the check would compete with the forward
+                        for the same cores; measured no faster there)
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.client import DEFAULT_ADDRESS
+from kvdepot.layout import KvLayout
 
 KEYS = (
     "address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name",
@@ -44,7 +48,10 @@ class ConnectorConfig:
     release_timeout_s: float = 35.0
     keep_fail_policy: bool = False
     engine_name: str = "vllm"
-    late_load_checks: bool = True
+    late_load_checks: str = "auto"
+
+    def late_checks_for(self, layout: KvLayout) -> bool:
+        return self.late_load_checks == "true" or (self.late_load_checks == "auto" and layout.kind != "vllm_cpu")
 
     @staticmethod
     def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
@@ -57,12 +64,16 @@ class ConnectorConfig:
         for key, value in extra.items():
             out[key] = _coerce(key, value)
         cfg = ConnectorConfig(**out)
+        if cfg.late_load_checks not in ("auto", "true", "false"):
+            raise ValueError(f"kvdepot: late_load_checks must be auto, true or false, got {cfg.late_load_checks!r}")
         if not cfg.address:
             raise ValueError("kvdepot: address must name the daemon (HOST:PORT, unix:PATH or unix:///abs/path)")
         return cfg
 
 
 def _coerce(key: str, value: Any) -> Any:
+    if key == "late_load_checks" and isinstance(value, bool):
+        return "true" if value else "false"
     want = type(getattr(ConnectorConfig, key))
     if want is bool:
         if isinstance(value, bool):

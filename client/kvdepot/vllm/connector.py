@@ -224,7 +224,7 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
 def _connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str) -> DepotClient | None:
     client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000)
     try:
-        engine_id = client.register_engine(model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_load_checks)
+        engine_id = client.register_engine(model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout))
     except DepotError as e:
         log.error("kvdepot: the daemon at %s refused the engine (%s); the connector stays off", cfg.address, e)
         client.close()
