@@ -27,6 +27,7 @@ class DaemonConfig:
     listen: tuple[str, ...] = (DEFAULT_LISTEN,)
     host_gib: float = 4.0
     slab_mib: int = 64
+    copy_threads: int = 2
     metrics_listen: str = "127.0.0.1:9464"
     lease_ms: int = 30_000
     pin_ms: int = 30_000
@@ -60,6 +61,8 @@ HELP: dict[str, str] = {
     "listen": f"address to serve gRPC on: HOST:PORT or unix:PATH (repeatable; env: comma-separated). Default {DEFAULT_LISTEN}",
     "host_gib": "host-memory tier size in GiB (G2). Default 4",
     "slab_mib": "slab size in MiB; the host tier is handed to layout classes in slabs. Default 64",
+    "copy_threads": "threads copying blocks between engines and the host tier (loads before stores); more help where "
+    "there are cores and memory bandwidth to spare. Default 2",
     "metrics_listen": "HOST:PORT for Prometheus /metrics over HTTP; empty disables. Default 127.0.0.1:9464",
     "lease_ms": "engine lease: an engine that sends no heartbeat for this long is released. Default 30000",
     "pin_ms": "how long a Lookup keeps its matched blocks pinned by default. Default 30000",
@@ -143,6 +146,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "listen": _listen,
     "host_gib": _positive("host_gib", float, allow_zero=True),
     "slab_mib": _positive("slab_mib", int),
+    "copy_threads": _positive("copy_threads", int),
     "metrics_listen": _text,
     "lease_ms": _positive("lease_ms", int),
     "pin_ms": _positive("pin_ms", int),

@@ -151,7 +151,7 @@ class Daemon:
         faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads)
         if faults.load_delay_ms or faults.corrupt_loads:
             log.warning("fault injection on: loads wait %d ms; the next %d loaded blocks are corrupted", faults.load_delay_ms, faults.corrupt_loads)
-        self.service = DepotService(self.depot, self.metrics, self.arena, faults=faults)
+        self.service = DepotService(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, faults=faults)
         self.recovery = Recovery()
         if cfg.disk_dir:
             try:
@@ -203,8 +203,8 @@ class Daemon:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("kvdepotd serving on %s", ", ".join(self.addresses))
         log.info(
-            "host tier %.2f GiB (%d-MiB slabs), lease %d ms, op deadline %d ms, metrics %s",
-            self.cfg.host_gib, self.cfg.slab_mib, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
+            "host tier %.2f GiB (%d-MiB slabs, %d copy threads), lease %d ms, op deadline %d ms, metrics %s",
+            self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
         )
         if self.cfg.disk_dir:
             log.info(
