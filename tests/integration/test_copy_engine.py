@@ -73,51 +73,52 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
     asyncio.run(main())
 
 
+async def load_and_store_order() -> list[OpKind]:
+    """One copy thread, an 8-block store queued, then a 4-block load: the order the two end in."""
+    arena = HostArena(1 << 20)
+    depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
+    order: list[OpKind] = []
+
+    def done(parts: list[PartDone]) -> None:
+        for d in parts:
+            order.append(depot.ops.ops[OpId(d.op_id)].kind)
+            depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
+
+    copy = HostCopyEngine(done, arena, threads=1)
+    depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0)
+    copy.add_engine(E, LAYOUT)
+    kv = FakeKv(LAYOUT, num_blocks=32)
+    [req] = kv.share()
+    copy.add_mapping(map_rank(E, LAYOUT, req))
+    a = list(range(1000, 1065))  # 4 full blocks
+    b = list(range(2000, 2129))  # 8 full blocks
+    kv.write([0, 1, 2, 3, 4], a, range(65))
+    depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 65, tokens_to_bytes(a), (0, 1, 2, 3, 4))], [], [], 0)
+    depot.forward_done(E, 0, 1)
+    await run_ops(depot, copy)
+    order.clear()
+    kv.write(list(range(5, 14)), b, range(129))
+    depot.step(E, 2, [SlotUpdate(RequestId("b"), True, 0, 129, tokens_to_bytes(b), tuple(range(5, 14)))], [], [], 0)
+    depot.forward_done(E, 0, 2)  # the 8-block store may start now
+    assert depot.lookup(E, RequestId("c"), tokens_to_bytes(a), cache_salt="", lora_name="", device_matched_tokens=0, pin_ms=0, now_ms=0).matched_tokens == 64
+    kv.poison([20, 21, 22, 23])
+    depot.step(E, 3, [SlotUpdate(RequestId("c"), True, 64, 1, tokens_to_bytes(a), (20, 21, 22, 23, 24), 0, 64)], [], [], 0)
+    parts = depot.take_ready()
+    assert [op.kind for op, _ in parts] == [OpKind.STORE, OpKind.LOAD]  # the store was queued first
+    copy.submit(parts)
+    await run_ops(depot, copy)
+    assert kv.mismatches([20, 21, 22, 23], a, 64) == []
+    depot.check_invariants()
+    await copy.close()
+    kv.close()
+    return order
+
+
 def test_a_load_overtakes_queued_stores(monkeypatch: pytest.MonkeyPatch) -> None:
     """A load is on the engine's critical path, a store is not: with one copy thread taking one
-    block at a time, a load submitted behind an 8-block store ends first, and both are byte-exact."""
+    block at a time, a load submitted behind an 8-block store ends first (and is byte-exact)."""
     monkeypatch.setattr(host, "GRAIN_BYTES", 1)
-
-    async def main() -> None:
-        arena = HostArena(1 << 20)
-        depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
-        order: list[OpKind] = []
-
-        def done(parts: list[PartDone]) -> None:
-            for d in parts:
-                order.append(depot.ops.ops[OpId(d.op_id)].kind)
-                depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
-
-        copy = HostCopyEngine(done, arena, threads=1)
-        depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0)
-        copy.add_engine(E, LAYOUT)
-        kv = FakeKv(LAYOUT, num_blocks=32)
-        [req] = kv.share()
-        copy.add_mapping(map_rank(E, LAYOUT, req))
-        a = list(range(1000, 1065))  # 4 full blocks
-        b = list(range(2000, 2129))  # 8 full blocks
-        kv.write([0, 1, 2, 3, 4], a, range(65))
-        depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 65, tokens_to_bytes(a), (0, 1, 2, 3, 4))], [], [], 0)
-        depot.forward_done(E, 0, 1)
-        await run_ops(depot, copy)
-        order.clear()
-        kv.write(list(range(5, 14)), b, range(129))
-        depot.step(E, 2, [SlotUpdate(RequestId("b"), True, 0, 129, tokens_to_bytes(b), tuple(range(5, 14)))], [], [], 0)
-        depot.forward_done(E, 0, 2)  # the 8-block store may start now
-        assert depot.lookup(E, RequestId("c"), tokens_to_bytes(a), cache_salt="", lora_name="", device_matched_tokens=0, pin_ms=0, now_ms=0).matched_tokens == 64
-        kv.poison([20, 21, 22, 23])
-        depot.step(E, 3, [SlotUpdate(RequestId("c"), True, 64, 1, tokens_to_bytes(a), (20, 21, 22, 23, 24), 0, 64)], [], [], 0)
-        parts = depot.take_ready()
-        assert [op.kind for op, _ in parts] == [OpKind.STORE, OpKind.LOAD]  # the store was queued first
-        copy.submit(parts)
-        await run_ops(depot, copy)
-        assert order == [OpKind.LOAD, OpKind.STORE]
-        assert kv.mismatches([20, 21, 22, 23], a, 64) == []
-        depot.check_invariants()
-        await copy.close()
-        kv.close()
-
-    asyncio.run(main())
+    assert asyncio.run(load_and_store_order()) == [OpKind.LOAD, OpKind.STORE]
 
 
 def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> None:
@@ -169,3 +170,12 @@ def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> 
         kv.close()
 
     asyncio.run(main())
+
+
+def test_a_store_that_waited_long_goes_before_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads first, but not forever: a store that waited STORE_WAIT_S behind loads goes next (it
+    may hold a finished request's blocks in the engine). With the wait at zero, the store queued
+    first ends first."""
+    monkeypatch.setattr(host, "GRAIN_BYTES", 1)
+    monkeypatch.setattr(host, "STORE_WAIT_S", 0.0)
+    assert asyncio.run(load_and_store_order()) == [OpKind.STORE, OpKind.LOAD]

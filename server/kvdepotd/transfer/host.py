@@ -1,8 +1,8 @@
 """The host-tier copy engine: engine KV blocks <-> the host arena, on worker threads.
 
 Parts (one op on one rank) wait in two queues, loads before stores: a load is on the engine's
-critical path (the request cannot run until it lands), a store is not (under a stream of loads a
-store waits; its op deadline bounds how long, and a store that misses it is only a later miss).
+critical path (the request cannot run until it lands), a store is not; but a store that has
+waited STORE_WAIT_S behind loads goes next (a finished request's blocks may be held until it ends).
 Each copy thread takes a few blocks at a time (about 8 MiB, fewer near a part's end) from the first
 waiting part, so the threads share one large op to its last block instead of one finishing its
 fixed chunk while the other still has a whole one to go. A CPU block is one strided torch copy
@@ -39,6 +39,7 @@ _memmove = ctypes.memmove
 Work = list[tuple[int, int, SlotId]]  # (block index, engine block id, host slot)
 GRAIN_BYTES = 8 << 20  # what a copy thread takes from a part at a time (a few ms of copying)
 MAX_GRAIN_BLOCKS = 64
+STORE_WAIT_S = 0.1  # a store that waited this long behind loads goes next (it may hold a finished request's blocks)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class _Part:
     layout: KvLayout
     work: Work
     event: bytes | None  # the CUDA event a GPU store waits on
+    queued_at: float = field(default_factory=time.monotonic)
     taken: int = 0  # work[:taken] has been handed to threads (in the current pass)
     running: int = 0  # batches being copied now
     checking: bool = False  # a late-checked load in its second pass (its bytes are in the engine)
@@ -169,6 +171,8 @@ class HostCopyEngine(CopyEngine):
                 return None
             self._cond.wait()
         queue = self._loads or self._stores
+        if self._loads and self._stores and time.monotonic() - self._stores[0].queued_at > STORE_WAIT_S:
+            queue = self._stores
         part = queue[0]
         left = len(part.work) - part.taken
         grain = max(1, min(MAX_GRAIN_BLOCKS, GRAIN_BYTES // part.layout.rank_block_bytes))
