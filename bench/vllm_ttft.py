@@ -67,7 +67,7 @@ def settle() -> None:
     their shared-memory message queues (sched_yield in a loop) for 1 s after their last message,
     so on two cores an engine used just before takes CPU from the one being measured, and from the
     daemon's copy threads (a 3500-token daemon hit measured 136 ms right after a local hit on another
-    engine, 69-75 ms with that engine idle)."""
+    engine, 61-75 ms with one engine alone)."""
     time.sleep(IDLE_S)
 
 

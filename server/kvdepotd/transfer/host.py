@@ -9,8 +9,9 @@ fixed chunk while the other still has a whole one to go. A CPU block is one stri
 when its runs are evenly spaced in one storage, else one ctypes.memmove per run; both release the
 GIL, so the threads copy at once. CUDA copies go through a dedicated stream and are synchronized
 before the part reports. Stores checksum each (block, rank) with xxh3 after copying; loads check
-it before copying and report a mismatch as a corrupt block (the engine recomputes, the tier drops
-it). Engines of layout kind "none" have no tensors: their parts end at once (bookkeeping only).
+it before copying (or, for an engine with late load checks, in a second pass after every block is
+copied and `on_copied` has reported it) and report a mismatch as a corrupt block (the engine
+recomputes, the tier drops it). Engines of layout kind "none" have no tensors: their parts end at once (bookkeeping only).
 """
 
 from __future__ import annotations
@@ -145,12 +146,12 @@ class HostCopyEngine(CopyEngine):
     def _start(self, op: Op, rank: int, mapping: RankMapping, layout: KvLayout) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        work: Work = [
-            (i, bid, slot) for i, bid, slot in zip(op.block_indices, op.block_ids, op.tier_slots) if slot is not None and i not in op.failed
-        ]
         if self._closing:
             self.on_done([PartDone(op.op_id, rank, list(op.block_indices), "the daemon is shutting down")])
             return
+        work: Work = [
+            (i, bid, slot) for i, bid, slot in zip(op.block_indices, op.block_ids, op.tier_slots) if slot is not None and i not in op.failed
+        ]
         if not work:
             self.on_done([PartDone(op.op_id, rank, sorted(op.failed), op.message)])
             return
@@ -256,7 +257,7 @@ class HostCopyEngine(CopyEngine):
             hoff = pool.byte_offset(slot) + rank_off
             key = (cls, slot, rank)
             if store:
-                self._to_host(m, bid, hoff, rank_bytes)
+                self._move(m, bid, hoff, rank_bytes, to_host=True)
                 arena.checksums[key] = _xxh3_at(arena.base + hoff, rank_bytes)
                 arena.verified.discard(key)
                 continue
@@ -268,7 +269,7 @@ class HostCopyEngine(CopyEngine):
                 message = message or "checksum mismatch in the host tier"
                 continue
             if copy:
-                self._to_engine(m, bid, hoff, rank_bytes)
+                self._move(m, bid, hoff, rank_bytes, to_host=False)
         return failed, corrupt, message
 
     def _intact(self, key: tuple[str, SlotId, int], hoff: int, nbytes: int, injected: bool) -> bool:
@@ -279,25 +280,18 @@ class HostCopyEngine(CopyEngine):
         want = arena.checksums.get(key)
         return want is not None and _xxh3_at(arena.base + hoff, nbytes) == want
 
-    def _to_host(self, m: RankMapping, bid: int, hoff: int, nbytes: int) -> None:
+    def _move(self, m: RankMapping, bid: int, hoff: int, nbytes: int, to_host: bool) -> None:
+        """One block between the engine's tensors and the host arena, either way."""
         if m.device != "cpu":
-            self._device_copy(m, bid, hoff, to_host=True)
+            self._device_copy(m, bid, hoff, to_host)
         elif m.uniform is not None:  # one strided copy (torch releases the GIL and vectorizes)
-            self.arena.tensor.narrow(0, hoff, nbytes).view(m.uniform[4], m.uniform[3]).copy_(m.block_view(bid))
+            host, dev = self.arena.tensor.narrow(0, hoff, nbytes).view(m.uniform[4], m.uniform[3]), m.block_view(bid)
+            (host.copy_(dev) if to_host else dev.copy_(host))
         else:
-            host = self.arena.base + hoff
+            base = self.arena.base + hoff
             for r in m.runs:
-                _memmove(host + r.host_offset, r.address + bid * r.block_stride, r.nbytes)
-
-    def _to_engine(self, m: RankMapping, bid: int, hoff: int, nbytes: int) -> None:
-        if m.device != "cpu":
-            self._device_copy(m, bid, hoff, to_host=False)
-        elif m.uniform is not None:
-            m.block_view(bid).copy_(self.arena.tensor.narrow(0, hoff, nbytes).view(m.uniform[4], m.uniform[3]))
-        else:
-            host = self.arena.base + hoff
-            for r in m.runs:
-                _memmove(r.address + bid * r.block_stride, host + r.host_offset, r.nbytes)
+                h, e = base + r.host_offset, r.address + bid * r.block_stride
+                (_memmove(h, e, r.nbytes) if to_host else _memmove(e, h, r.nbytes))
 
     def _device_copy(self, m: RankMapping, bid: int, hoff: int, to_host: bool) -> None:
         """One block between a CUDA KV cache and the (pinned) host arena, on the rank's stream."""
