@@ -12,9 +12,11 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvdepotd.core.depot import Depot
+    from kvdepotd.transfer.base import Copied
 
 DISK_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+COPY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class DepotCollector(Collector):
@@ -74,6 +76,23 @@ class Metrics:
         self.disk_io_seconds = Histogram(
             "kvdepot_disk_io_duration_seconds", "time one disk job took (many blocks)", ["op"], registry=self.registry, buckets=DISK_BUCKETS
         )
+        self.copy_bytes = Counter(
+            "kvdepot_host_copy_bytes", "block bytes copied between engine memory and the host tier (all ranks)", ["op"], registry=self.registry
+        )
+        self.copy_seconds = Histogram(
+            "kvdepot_host_copy_duration_seconds", "one op's copy on one rank, from its first blocks to its last",
+            ["op"], registry=self.registry, buckets=COPY_BUCKETS,
+        )
+        self.copy_queued_seconds = Histogram(
+            "kvdepot_host_copy_queued_seconds", "time one op's part waited for a copy thread", ["op"], registry=self.registry,
+            buckets=COPY_BUCKETS,
+        )
+        self.op_seconds = Histogram(
+            "kvdepot_op_duration_seconds", "from the Step that planned an op to its end, to the millisecond (a store's includes "
+            "the wait for its forward)", ["kind", "result"], registry=self.registry, buckets=COPY_BUCKETS,
+        )
+        self._copy = {k: (self.copy_bytes.labels(k), self.copy_seconds.labels(k), self.copy_queued_seconds.labels(k)) for k in ("load", "store")}
+        self._ops = {(k, ok): self.op_seconds.labels(k, "ok" if ok else "failed") for k in ("load", "store") for ok in (True, False)}
         self.recovery: Any = _NoRecovery()
         if depot is not None:
             self.registry.register(DepotCollector(depot, mapped_bytes, lambda: self.recovery))
@@ -82,6 +101,18 @@ class Metrics:
         """A disk job ended (called on a disk thread; prometheus_client is thread-safe)."""
         self.disk_io_bytes.labels(op).inc(nbytes)
         self.disk_io_seconds.labels(op).observe(seconds)
+
+
+    def observe_copy(self, c: Copied) -> None:
+        """A host copy part ended (on the event loop, once per op and rank)."""
+        nbytes, seconds, queued = self._copy[c.kind]
+        nbytes.inc(c.nbytes)
+        seconds.observe(c.copy_s)
+        queued.observe(c.queued_s)
+
+    def observe_op(self, kind: str, success: bool, ms: int) -> None:
+        """An op ended (on the event loop; several per Step, so the children are looked up once)."""
+        self._ops[(kind, success)].observe(ms / 1000)
 
 
 class _NoRecovery:

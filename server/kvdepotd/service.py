@@ -176,12 +176,14 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if not events:
             return
         batches: dict[EngineId, pb.WorkerEvent] = {}
+        now_ms = self.now_ms()
         for ev in events:
             msg = batches.get(ev.engine_id)
             if msg is None:
                 msg = batches[ev.engine_id] = pb.WorkerEvent()
             if isinstance(ev, OpCompleted):
                 msg.completed.append(convert.op_completed_pb(ev.op))
+                self.metrics.observe_op(ev.op.kind.value.lower(), ev.op.success, now_ms - ev.op.planned_ms)
             elif isinstance(ev, LoadCopied):
                 msg.copied.append(ev.op_id)
             else:
@@ -209,6 +211,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
     def _parts_done(self, done: list[PartDone]) -> None:
         for d in done:
             self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message, d.corrupt)
+            if d.copied is not None:
+                self.metrics.observe_copy(d.copied)
             if d.corrupt:
                 log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
         self._pump()

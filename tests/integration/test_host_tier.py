@@ -256,3 +256,35 @@ def test_late_load_checks_over_the_daemon() -> None:
     finally:
         kv.close()
         assert d.stop() == 0
+
+
+def test_copy_metrics_count_what_was_copied() -> None:
+    """/metrics shows the host copies: bytes per direction (blocks x block bytes, every rank), each
+    part's copy and queue time, and each op's time from its Step to its end."""
+    import urllib.request
+
+    from kvdepot.testing.daemon import free_port
+
+    port = free_port()
+    d = DaemonProcess(args=["--host-gib", "0.0625", "--metrics-listen", f"127.0.0.1:{port}"]).start()
+    try:
+        e = engine(d, "vllm_cpu", model="metrics", world_size=2)
+        p = list(range(40, 40 + 4 * 16 + 1))  # 4 full blocks
+        first = e.generate(p, max_new_tokens=1)
+        e.reset_prefix_cache()
+        assert e.generate(p, max_new_tokens=1).output == first.output
+        assert e.stats.loaded_tokens == 64
+        close(e)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        block = layout("vllm_cpu", 2).block_bytes  # both ranks' halves
+        for line in (
+            f'kvdepot_host_copy_bytes_total{{op="store"}} {4 * block}.0',
+            f'kvdepot_host_copy_bytes_total{{op="load"}} {4 * block}.0',
+            'kvdepot_host_copy_duration_seconds_count{op="load"} 2.0',  # one part per rank
+            'kvdepot_host_copy_queued_seconds_count{op="store"}',
+            'kvdepot_op_duration_seconds_count{kind="load",result="ok"} 1.0',
+            'kvdepot_op_duration_seconds_count{kind="store",result="failed"} 0.0',
+        ):
+            assert line in text, line
+    finally:
+        assert d.stop() == 0

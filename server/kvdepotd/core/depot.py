@@ -591,6 +591,7 @@ class Depot:
             tier_slots=tier_slots,
             step=step,
             deadline_ms=now_ms + self.config.op_timeout_ms,
+            planned_ms=now_ms,
             world_size=eng.layout.world_size,
             registry=eng.domain.registry,
             epoch=self._slot_epoch.get((eng.engine_id, slot.request_id), 0),

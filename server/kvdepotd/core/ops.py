@@ -48,6 +48,7 @@ class Op:
     world_size: int
     registry: BlockRegistry  # the tier registry its blocks live in (outlives the engine)
     epoch: int = 0  # the slot's device-state generation when planned (see Depot._bump_epoch)
+    planned_ms: int = 0  # the clock of the Step that planned it
     parts_left: set[int] = field(default_factory=set)  # ranks not yet reported
     started: set[int] = field(default_factory=set)  # ranks handed to the copy engine
     failed: set[int] = field(default_factory=set)  # block indices that failed on some rank

@@ -32,7 +32,7 @@ from kvdepotd.core.ops import Op, OpKind
 from kvdepotd.core.pool import SlotId
 from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
 from kvdepotd.storage.host_arena import HostArena
-from kvdepotd.transfer.base import CopyEngine, PartDone
+from kvdepotd.transfer.base import Copied, CopyEngine, PartDone
 from kvdepotd.transfer.mapping import RankMapping
 
 log = logging.getLogger("kvdepotd")
@@ -68,6 +68,7 @@ class _Part:
     work: Work
     event: bytes | None  # the CUDA event a GPU store waits on
     queued_at: float = field(default_factory=time.monotonic)
+    started_at: float = 0.0  # when a copy thread took its first blocks
     taken: int = 0  # work[:taken] has been handed to threads (in the current pass)
     running: int = 0  # batches being copied now
     checking: bool = False  # a late-checked load in its second pass (its bytes are in the engine)
@@ -179,6 +180,8 @@ class HostCopyEngine(CopyEngine):
         grain = max(1, min(MAX_GRAIN_BLOCKS, GRAIN_BYTES // part.layout.rank_block_bytes))
         n = max(1, min(grain, -(-left // self.threads)))  # near the end, the rest is shared by every thread
         first = part.taken == 0
+        if first and not part.checking:
+            part.started_at = time.monotonic()
         batch = part.work[part.taken : part.taken + n]
         part.taken += len(batch)
         part.running += 1
@@ -219,7 +222,12 @@ class HostCopyEngine(CopyEngine):
             self.on_copied(part.op.op_id, part.rank)
 
     def _part_done(self, part: _Part) -> None:
-        self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt)])
+        now = time.monotonic()
+        bad = {*part.failed, *part.corrupt}
+        nbytes = part.layout.rank_block_bytes * sum(1 for i, _, _ in part.work if i not in bad)
+        kind = "load" if part.op.kind is OpKind.LOAD else "store"
+        copied = Copied(kind, nbytes, part.started_at - part.queued_at, now - part.started_at)
+        self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt, copied)])
 
     # -- the copies (worker threads) ------------------------------------------------------------------
     def _forward_event(self, op: Op, rank: int) -> bytes | None:
