@@ -30,7 +30,7 @@ from kvdepotd.metrics import Metrics
 from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer import Faults, HostCopyEngine, PartDone
 from kvdepotd.transfer.disk import DiskCopyEngine
-from kvdepotd.transfer.mapping import map_rank
+from kvdepotd.transfer.mapping import RankMapping, map_rank, populate
 
 log = logging.getLogger("kvdepotd")
 T = TypeVar("T")
@@ -112,6 +112,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._ticker: asyncio.Task[None] | None = None
         self.disk: DiskCopyEngine | None = None
         self._flush = False
+        self._populating: set[asyncio.Task[None]] = set()
 
     @staticmethod
     def now_ms() -> int:
@@ -126,6 +127,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
             self._ticker.cancel()
         if self.disk is not None:
             await self._flush_disk(grace_s)
+        for task in self._populating:
+            task.cancel()
         await self.copy.close()
         if self.disk is not None:
             await self.disk.close()
@@ -296,7 +299,20 @@ class DepotService(pb_grpc.BlockManagerServicer):
             "engine %s rank %d mapped %d tensors (%d blocks, %.1f MiB) on %s",
             engine_id, request.rank, len(request.tensors), mapping.num_blocks, mapping.mapped_bytes / 2**20, mapping.device,
         )
+        # Its pages are faulted in meanwhile, so the first copies run at full speed (not awaited: the
+        # engine goes on starting; a copy that comes first faults its own pages in as before).
+        task = asyncio.get_running_loop().create_task(self._populate(mapping))
+        self._populating.add(task)
+        task.add_done_callback(self._populating.discard)
         return pb.RegisterKvCachesResponse(mapped_bytes=mapping.mapped_bytes)
+
+    async def _populate(self, mapping: RankMapping) -> None:
+        t0 = time.monotonic()
+        if await asyncio.to_thread(populate, mapping):
+            log.info(
+                "engine %s rank %d: %.1f MiB of KV memory faulted in (%.0f ms)",
+                mapping.engine_id, mapping.rank, mapping.mapped_bytes / 2**20, (time.monotonic() - t0) * 1000,
+            )
 
     # -- the engine path ------------------------------------------------------------------------
     @rpc

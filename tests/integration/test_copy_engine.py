@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -179,3 +180,34 @@ def test_a_store_that_waited_long_goes_before_loads(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(host, "GRAIN_BYTES", 1)
     monkeypatch.setattr(host, "STORE_WAIT_S", 0.0)
     assert asyncio.run(load_and_store_order()) == [OpKind.STORE, OpKind.LOAD]
+
+
+def _rss_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that contains `address` (from /proc/self/smaps)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        span = line.split(" ", 1)[0]
+        if "-" in span and all(c in "0123456789abcdef-" for c in span):
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                rss = next(x for x in lines[i + 1 :] if x.startswith("Rss:"))
+                return int(rss.split()[1])
+    raise LookupError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_populate_faults_a_fresh_mapping_in() -> None:
+    """The daemon maps an engine's KV memory afresh: no page is in its page tables until touched.
+    populate() puts them all there up front (off the event loop), so first copies do not fault."""
+    from kvdepotd.transfer.mapping import populate
+
+    kv = FakeKv(LAYOUT, num_blocks=1024)  # 2 MiB
+    try:
+        [req] = kv.share()
+        m = map_rank(E, LAYOUT, req)
+        addr, size_kib = m.storages[0].data_ptr(), m.storages[0].nbytes() // 1024
+        assert size_kib >= 1024 and _rss_kib(addr) < size_kib // 4
+        assert populate(m)
+        assert _rss_kib(addr) >= size_kib
+    finally:
+        kv.close()
