@@ -102,7 +102,6 @@ class Metrics:
         self.disk_io_bytes.labels(op).inc(nbytes)
         self.disk_io_seconds.labels(op).observe(seconds)
 
-
     def observe_copy(self, c: Copied) -> None:
         """A host copy part ended (on the event loop, once per op and rank)."""
         nbytes, seconds, queued = self._copy[c.kind]
