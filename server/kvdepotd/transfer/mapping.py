@@ -140,25 +140,29 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest) 
     return RankMapping(engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs))
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in, writable, in one call
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in, writable
+POPULATE_CHUNK = 2 << 20
 
 
 def populate(m: RankMapping) -> bool:
     """Faults a CPU mapping's pages in ahead of its first copy (the daemon's first touch of each
     4-KiB page of engine memory otherwise costs a page fault inside that copy). Blocks the calling
-    thread for as long as the kernel takes (tens of ms per GiB): call it off the event loop. False
-    where the kernel cannot (before Linux 5.14, not Linux, or a GPU mapping): copies fault pages
-    in as before."""
+    thread for as long as the kernel takes (a few hundred ms per GiB here): call it off the event
+    loop. It goes 2 MiB at a time because the kernel holds the process's memory-map lock while it
+    works, and any thread that maps memory meanwhile (the event loop allocating a large buffer)
+    waits for it: one call over a GiB stalled a Step past its deadline. False where the kernel
+    cannot (before Linux 5.14, not Linux, or a GPU mapping): copies fault pages in as before."""
     if m.device != "cpu" or not sys.platform.startswith("linux"):
         return False
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    ok = True
     for storage in m.storages:
-        addr, nbytes = storage.data_ptr(), storage.nbytes()
-        start = addr - addr % mmap.PAGESIZE
-        ok = madvise(start, nbytes + (addr - start), _MADV_POPULATE_WRITE) == 0 and ok
-    return ok
+        addr = storage.data_ptr()
+        start, end = addr - addr % mmap.PAGESIZE, addr + storage.nbytes()
+        for lo in range(start, end, POPULATE_CHUNK):
+            if madvise(lo, min(POPULATE_CHUNK, end - lo), _MADV_POPULATE_WRITE) != 0:
+                return False
+    return True
 
 
 def _uniform(runs: list[Run]) -> tuple[int, int, int, int, int] | None:
