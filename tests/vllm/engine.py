@@ -54,6 +54,18 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -
     return [(list(o.outputs[0].token_ids), o.num_cached_tokens or 0) for o in outs]
 
 
+def reset(llm: Any) -> None:
+    """reset_prefix_cache(), which vLLM refuses while a finished request still holds blocks for the
+    connector (its stores were still running when it finished). An in-process engine only hears
+    that they ended when it steps, so each retry runs a one-token request (no full block: the
+    daemon stores nothing for it)."""
+    for _ in range(20):
+        if llm.reset_prefix_cache():
+            return
+        generate(llm, [[7]], max_tokens=1)
+    raise AssertionError("reset_prefix_cache() kept failing: blocks are still held")
+
+
 def connector_of(llm: Any) -> Any:
     """The scheduler-side KvDepotConnector of an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler.connector

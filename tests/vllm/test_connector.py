@@ -14,7 +14,7 @@ from vllm import LLM
 
 from kvdepot import DepotClient
 from kvdepot.testing import DaemonProcess
-from tests.vllm.engine import BATCH, BLOCK, P, Q, connector_of, engine_args, generate, kv_config
+from tests.vllm.engine import BATCH, BLOCK, P, Q, connector_of, engine_args, generate, kv_config, reset
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +43,7 @@ def admin(daemon: DaemonProcess, llm: LLM) -> Iterator[DepotClient]:
     """The daemon's inspection client; every test starts with both caches empty."""
     c = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
     c.clear()
-    llm.reset_prefix_cache()
+    reset(llm)
     yield c
     c.close()
 
@@ -52,7 +52,7 @@ def test_cold_then_reset_is_served_by_the_daemon(llm: LLM, admin: DepotClient, e
     before = counters(admin)
     [(cold, cached)] = generate(llm, [P])
     assert cold == expected["P"] and cached == 0
-    llm.reset_prefix_cache()
+    reset(llm)
     [(hit, cached)] = generate(llm, [P])
     after = counters(admin)
     assert hit == expected["P"]
@@ -66,7 +66,7 @@ def test_mixed_local_64_external_32_never_stores_the_local_blocks_again(llm: LLM
     """The seed's bug class on vLLM: vLLM holds blocks 0-1 itself (L=64), the daemon supplies
     block 2 (E=32). The daemon must see L and E apart, and decide nothing about blocks 0-1."""
     generate(llm, [P])  # the daemon holds P's blocks 0-2
-    llm.reset_prefix_cache()
+    reset(llm)
     assert generate(llm, [Q])[0][0] == expected["Q"]  # vLLM now holds blocks 0-1 (loaded from the daemon)
     before = counters(admin)
     [(out, cached)] = generate(llm, [P])
@@ -87,7 +87,7 @@ def test_batch_of_8_sharing_a_prefix(llm: LLM, admin: DepotClient, expected: dic
     shared = counters(admin)
     # The 64-token prefix is stored once although 8 requests computed it; each tail block once.
     assert shared["store_blocks_planned"] - before["store_blocks_planned"] == 2 + 8
-    llm.reset_prefix_cache()
+    reset(llm)
     outs = generate(llm, BATCH)
     assert [o for o, _ in outs] == [expected[f"B{i}"] for i in range(8)]
     assert all(cached == 3 * BLOCK for _, cached in outs)

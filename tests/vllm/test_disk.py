@@ -10,7 +10,7 @@ from kvdepot import DepotClient
 from kvdepot.errors import Unavailable
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.daemon import free_port
-from tests.vllm.engine import P, generate
+from tests.vllm.engine import P, generate, reset
 from tests.vllm.test_faults import counters, make
 
 pytestmark = pytest.mark.vllm
@@ -47,7 +47,7 @@ def test_prompt_stored_before_a_daemon_restart_is_a_hit_after_it(
     try:
         assert "recovered 3 blocks" in d.log()
         wait_registered(address)
-        llm.reset_prefix_cache()
+        reset(llm)
         assert generate(llm, [P])[0] == (expected["P"], 96)  # served from disk, same output
         c = counters(address)
         assert c["lookup_disk_hit_tokens"] == 96 and c["disk_read_blocks"] == 3 and c["load_failed_blocks"] == 0

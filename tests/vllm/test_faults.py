@@ -16,7 +16,7 @@ from vllm import LLM
 from kvdepot import DepotClient
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.daemon import free_port
-from tests.vllm.engine import LONG, LONG_TOKENS, P, Q, connector_of, engine_args, generate, kv_config
+from tests.vllm.engine import LONG, LONG_TOKENS, P, Q, connector_of, engine_args, generate, kv_config, reset
 
 pytestmark = pytest.mark.vllm
 
@@ -37,9 +37,9 @@ def test_async_loads(fresh_llm: list, model_dir: str, expected: dict[str, list[i
     with DaemonProcess(args=["--host-gib", "0.25"]) as d:
         llm = make(fresh_llm, model_dir, d.tcp, extra={"load_async": True})
         assert generate(llm, [P])[0] == (expected["P"], 0)
-        llm.reset_prefix_cache()
+        reset(llm)
         assert generate(llm, [P])[0] == (expected["P"], 96)  # loaded while parked in WAITING_FOR_REMOTE_KVS
-        llm.reset_prefix_cache()
+        reset(llm)
         assert generate(llm, [Q])[0][0] == expected["Q"]
         assert generate(llm, [P])[0] == (expected["P"], 96)  # mixed: local 64, async external 32
         assert connector_of(llm)._sched.admissions[-1][1:] == (64, 32, 96)
@@ -55,7 +55,7 @@ def test_preemption_under_a_tiny_kv_space(fresh_llm: list, model_dir: str, expec
         c = counters(d.tcp)
         assert c["preemptions"] > 0  # vLLM preempted, the daemon was told
         assert c["load_failed_blocks"] == 0 and c["store_failed_blocks"] == 0
-        llm.reset_prefix_cache()
+        reset(llm)
         outs = generate(llm, LONG, LONG_TOKENS)
         assert [o for o, _ in outs] == [expected[f"L{i}"] for i in range(len(LONG))]
 
@@ -65,7 +65,7 @@ def test_no_daemon_at_start_then_it_comes(fresh_llm: list, model_dir: str, expec
     llm = make(fresh_llm, model_dir, address)
     for _ in range(2):
         assert generate(llm, [P])[0][0] == expected["P"]
-        llm.reset_prefix_cache()
+        reset(llm)
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
     with DaemonProcess(tcp=address) as d:
         deadline = time.monotonic() + 10
@@ -78,7 +78,7 @@ def test_no_daemon_at_start_then_it_comes(fresh_llm: list, model_dir: str, expec
             time.sleep(0.05)
         time.sleep(0.5)
         assert generate(llm, [P])[0] == (expected["P"], 0)
-        llm.reset_prefix_cache()
+        reset(llm)
         assert generate(llm, [P])[0] == (expected["P"], 96)
 
 
@@ -87,7 +87,7 @@ def test_daemon_killed_during_a_load(fresh_llm: list, model_dir: str, expected: 
     d = DaemonProcess(args=["--host-gib", "0.25", "--fault-load-delay-ms", "3000"]).start()
     llm = make(fresh_llm, model_dir, d.tcp)
     assert generate(llm, [P])[0][0] == expected["P"]
-    llm.reset_prefix_cache()
+    reset(llm)
     result: list[Any] = []
     t = threading.Thread(target=lambda: result.append(generate(llm, [P])[0]))
     t.start()
@@ -109,10 +109,10 @@ def test_corrupted_block_is_caught_and_recomputed(fresh_llm: list, model_dir: st
     with DaemonProcess(args=["--host-gib", "0.25", "--fault-corrupt-loads", "1"]) as d:
         llm = make(fresh_llm, model_dir, d.tcp, extra={"late_load_checks": late})
         assert generate(llm, [P])[0][0] == expected["P"]
-        llm.reset_prefix_cache()
+        reset(llm)
         assert generate(llm, [P])[0][0] == expected["P"]
         c = counters(d.tcp)
         assert c["checksum_failures"] == 1 and c["load_failed_blocks"] == 1
         # The bad block was dropped and stored again from the recompute: the next hit is whole.
-        llm.reset_prefix_cache()
+        reset(llm)
         assert generate(llm, [P])[0] == (expected["P"], 96)
