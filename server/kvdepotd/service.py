@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -113,6 +114,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self.disk: DiskCopyEngine | None = None
         self._flush = False
         self._populating: set[asyncio.Task[None]] = set()
+        self._stop_populating = threading.Event()
 
     @staticmethod
     def now_ms() -> int:
@@ -127,8 +129,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             self._ticker.cancel()
         if self.disk is not None:
             await self._flush_disk(grace_s)
-        for task in self._populating:
-            task.cancel()
+        self._stop_populating.set()  # a thread still faulting a mapping in stops at its next 2 MiB
         await self.copy.close()
         if self.disk is not None:
             await self.disk.close()
@@ -308,7 +309,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     async def _populate(self, mapping: RankMapping) -> None:
         t0 = time.monotonic()
-        if await asyncio.to_thread(populate, mapping):
+        if await asyncio.to_thread(populate, mapping, self._stop_populating):
             log.info(
                 "engine %s rank %d: %.1f MiB of KV memory faulted in (%.0f ms)",
                 mapping.engine_id, mapping.rank, mapping.mapped_bytes / 2**20, (time.monotonic() - t0) * 1000,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 
 import pytest
 
@@ -207,6 +208,10 @@ def test_populate_faults_a_fresh_mapping_in() -> None:
         m = map_rank(E, LAYOUT, req)
         addr, size_kib = m.storages[0].data_ptr(), m.storages[0].nbytes() // 1024
         assert size_kib >= 1024 and _rss_kib(addr) < size_kib // 4
+        stopped = threading.Event()
+        stopped.set()
+        assert not populate(m, stopped)  # a daemon shutting down does not wait for it
+        assert _rss_kib(addr) < size_kib // 4
         assert populate(m)
         assert _rss_kib(addr) >= size_kib
     finally:

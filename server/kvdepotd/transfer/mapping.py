@@ -14,6 +14,7 @@ import mmap
 import os
 import stat
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -144,14 +145,15 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in, writab
 POPULATE_CHUNK = 2 << 20
 
 
-def populate(m: RankMapping) -> bool:
+def populate(m: RankMapping, stop: threading.Event | None = None) -> bool:
     """Faults a CPU mapping's pages in ahead of its first copy (the daemon's first touch of each
     4-KiB page of engine memory otherwise costs a page fault inside that copy). Blocks the calling
     thread for as long as the kernel takes (a few hundred ms per GiB here): call it off the event
     loop. It goes 2 MiB at a time because the kernel holds the process's memory-map lock while it
     works, and any thread that maps memory meanwhile (the event loop allocating a large buffer)
     waits for it: one call over a GiB stalled a Step past its deadline. False where the kernel
-    cannot (before Linux 5.14, not Linux, or a GPU mapping): copies fault pages in as before."""
+    cannot (before Linux 5.14, not Linux, or a GPU mapping), or once `stop` is set (the daemon is
+    shutting down and must not wait for this): copies fault pages in as before."""
     if m.device != "cpu" or not sys.platform.startswith("linux"):
         return False
     madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -160,7 +162,7 @@ def populate(m: RankMapping) -> bool:
         addr = storage.data_ptr()
         start, end = addr - addr % mmap.PAGESIZE, addr + storage.nbytes()
         for lo in range(start, end, POPULATE_CHUNK):
-            if madvise(lo, min(POPULATE_CHUNK, end - lo), _MADV_POPULATE_WRITE) != 0:
+            if (stop is not None and stop.is_set()) or madvise(lo, min(POPULATE_CHUNK, end - lo), _MADV_POPULATE_WRITE) != 0:
                 return False
     return True
 
