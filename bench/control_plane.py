@@ -5,6 +5,7 @@ Prints one JSON line:
   lookup128k_ms                      Lookup of a 131072-token prompt the host tier holds (full hit, worst case)
   lookup128k_miss_ms                 the same prompt when nothing matches (encoding + transport of 512 KiB)
   empty_step_p50_ms                  a Step carrying nothing: the gRPC round-trip floor of this machine
+                                     (the client's session stream; *_unary_*: each Step its own call)
   step256_sparse_*                   the same 256 decoding requests as a connector sends them: an update
                                      only when a request appends or completes a block (engine-side cost
                                      per step, including the steps that need no round trip)
@@ -26,6 +27,7 @@ import urllib.request
 
 from kvdepot import DepotClient, KvLayout, StepBatch
 from kvdepot.testing import DaemonProcess, free_port
+from kvdepot.v1 import kvdepot_pb2 as pb
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=8, head_size=128, dtype="float16", block_size=16)
 BATCH = 256
@@ -52,7 +54,7 @@ def worker_main(address: str, engine_id: str, steps: mp.Queue, acks: mp.Queue) -
     c.close()
 
 
-def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
+def bench_steps(c: DepotClient, steps: int, dense_only: bool = False) -> dict[str, float]:
     bs = LAYOUT.block_size
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
@@ -112,6 +114,10 @@ def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
         if s >= 50:  # warm-up
             times.append(dt * 1000)
         w.poll()
+    if dense_only:
+        q.put(None)
+        proc.join(10)
+        return {"step256_p50_ms": round(statistics.median(times), 3), "step256_p99_ms": round(pct(times, 0.99), 3)}
     # The same batch as a connector sends it: a request's update goes out only when it appends a
     # block or completes one (its tokens ride along); a step with nothing to say costs no round trip.
     sparse: list[float] = []
@@ -140,15 +146,23 @@ def bench_steps(c: DepotClient, steps: int) -> dict[str, float]:
         w.poll()
     q.put(None)
     proc.join(10)
-    empty: list[float] = []  # the floor: a Step RPC that carries nothing, same client and daemon
+    # The floor: a Step that carries nothing, same client and daemon, on the session stream and as
+    # a unary call (the client itself skips empty steps; these force the round trip).
+    empty: list[float] = []
+    empty_unary: list[float] = []
     for _ in range(500):
-        c._step += 1  # (the client itself skips empty steps; force the round trip)
-        req = StepBatch().to_pb(c.engine_id, c._step)
-        t0 = time.perf_counter()
-        c._stub.Step(req, timeout=5)
-        empty.append((time.perf_counter() - t0) * 1000)
+        for out, unary in ((empty, False), (empty_unary, True)):
+            c._step += 1
+            req = StepBatch().to_pb(c.engine_id, c._step)
+            t0 = time.perf_counter()
+            if unary:
+                c._stub.Step(req, timeout=5)
+            else:
+                assert c._session.call(pb.SessionRequest(step=req), 5.0) is not None
+            out.append((time.perf_counter() - t0) * 1000)
     return {
         "empty_step_p50_ms": round(statistics.median(empty[50:]), 3),
+        "empty_step_unary_p50_ms": round(statistics.median(empty_unary[50:]), 3),
         "step256_p50_ms": round(statistics.median(times), 3),
         "step256_p99_ms": round(pct(times, 0.99), 3),
         "step256_mean_ms": round(statistics.fmean(times), 3),
@@ -223,6 +237,10 @@ def main() -> int:
             out.update(bench_steps(c, args.steps))
         if daemon is not None:  # the daemon's own time per Step (its RPC histogram), without the wire
             out["step256_daemon_mean_ms"] = round(daemon_mean_ms(metrics_port, "Step"), 3)
+        with DepotClient(address, strict=True, deadline_s=5.0, session=False) as c:  # each Step its own call
+            c.register_engine("bench-model", LAYOUT, name="bench-steps-unary")
+            unary = bench_steps(c, args.steps, dense_only=True)
+            out["step256_unary_p50_ms"], out["step256_unary_p99_ms"] = unary["step256_p50_ms"], unary["step256_p99_ms"]
         with DepotClient(address, strict=True, deadline_s=5.0) as c:
             c.register_engine("bench-model", LAYOUT, name="bench-lookup")
             out.update(bench_lookup(c))

@@ -38,6 +38,7 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 MISSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # how a session stream that ended answers
 
 
 class _Registration:
@@ -68,6 +69,113 @@ def _degraded(client: Any, e: grpc.RpcError, what: str) -> None:
         log.debug("kvdepot %s degraded to a miss: %s", what, code.name)
     else:
         log.error("kvdepot %s rejected (%s): %s; treating it as a miss", what, code.name, e.details())
+
+
+class _LocalRpcError(grpc.RpcError):
+    """A failure the client itself decided (a stream call past its deadline), shaped like grpc's."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Session:
+    """The engine path's stream (rpc Session): Lookup and Step in one long-lived call, which spares
+    each call gRPC's per-call setup. Opened on first use and again after any failure; one call at
+    a time (a caller that finds it busy, or a daemon without Session, goes unary). A stream has no
+    per-message deadline, so a watchdog thread cancels a call that outlives its own, checking every
+    quarter of the client's deadline."""
+
+    def __init__(self, stub: pb_grpc.BlockManagerStub, period_s: float, closed: threading.Event) -> None:
+        self._stub = stub
+        self._period_s = period_s
+        self._closed = closed
+        self._busy = threading.Lock()  # held by the one call in flight
+        self._guard = threading.Lock()  # orders the watchdog's cancel against a call's end
+        self._requests: queue.SimpleQueue[pb.SessionRequest | None] = queue.SimpleQueue()
+        self._call: Any = None
+        self._waiting: tuple[float, Any] | None = None  # (deadline, call) of the call in flight
+        self._expired = False
+        self._watchdog: threading.Thread | None = None
+        self.supported = True
+
+    def call(self, req: pb.SessionRequest, timeout_s: float) -> pb.SessionResponse | None:
+        """The daemon's answer; None when the caller should use the unary call; raises grpc.RpcError."""
+        if not self.supported or not self._busy.acquire(blocking=False):
+            return None
+        try:
+            deadline = time.monotonic() + timeout_s
+            if self._call is not None and self._call.done():  # ended while idle (the daemon restarted)
+                self.reset()
+            reused = self._call is not None
+            try:
+                return self._round_trip(req, deadline)
+            except grpc.RpcError as e:
+                # A stream that broke just as this call went out says nothing about the call: it goes
+                # once more on a new stream (Lookup and Step are both safe to repeat; a repeated step
+                # is answered the same).
+                if not reused or self._expired or e.code() not in BROKEN or time.monotonic() >= deadline:
+                    raise
+                return self._round_trip(req, deadline)
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.UNIMPLEMENTED:  # a daemon older than Session
+                self.supported = False
+                return None
+            if self._expired:
+                raise _LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
+            raise
+        finally:
+            self._busy.release()
+
+    def _round_trip(self, req: pb.SessionRequest, deadline: float) -> pb.SessionResponse:
+        """One request and its answer on the stream (opened if need be); any failure resets it."""
+        if self._call is None:
+            self._open()
+        call = self._call
+        self._expired = False
+        self._waiting = (deadline, call)
+        self._requests.put(req)
+        try:
+            return next(call)
+        except StopIteration:
+            self.reset()
+            raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session") from None
+        except grpc.RpcError:
+            self.reset()
+            raise
+        finally:
+            with self._guard:
+                self._waiting = None
+            if self._expired:  # cancelled, even if the answer made it: the stream is done
+                self.reset()
+
+    def _open(self) -> None:
+        self._requests = queue.SimpleQueue()
+        self._call = self._stub.Session(iter(self._requests.get, None))
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="kvdepot-session-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self._period_s):
+            with self._guard:
+                w = self._waiting
+                if w is not None and time.monotonic() > w[0]:
+                    self._expired = True
+                    w[1].cancel()
+
+    def reset(self) -> None:
+        """Ends the stream (the next call opens a new one)."""
+        call, self._call = self._call, None
+        if call is not None:
+            self._requests.put(None)  # lets grpc's request-feeding thread finish
+            call.cancel()
 
 
 class _ClientCore:
@@ -143,11 +251,17 @@ class _ClientCore:
 class DepotClient(_ClientCore):
     """Synchronous client; safe to share between threads."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False) -> None:
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False, session: bool = True
+    ) -> None:
+        """`session`: lookups and steps share one long-lived stream (rpc Session), which saves
+        gRPC's per-call setup; False sends each as its own unary call."""
         super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._workers: list[WorkerLink] = []
+        self._session = _Session(self._stub, deadline_s / 4, self._closed)
+        self._session.supported = session
 
     # -- engine registration -------------------------------------------------------------------
     def register_engine(
@@ -218,8 +332,11 @@ class DepotClient(_ClientCore):
         req = self._lookup_request(request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
         if req is None:
             return m.MISS
+        timeout_s = timeout_s or self.deadline_s
         try:
-            return m.lookup_result(self._stub.Lookup(req, timeout=timeout_s or self.deadline_s))
+            if (r := self._session.call(pb.SessionRequest(lookup=req), timeout_s)) is not None:
+                return m.lookup_result(r.lookup)
+            return m.lookup_result(self._stub.Lookup(req, timeout=timeout_s))
         except grpc.RpcError as e:
             _degraded(self, e, "lookup")
             return m.MISS
@@ -230,6 +347,8 @@ class DepotClient(_ClientCore):
         if isinstance(req, m.StepResult):
             return req
         try:
+            if (r := self._session.call(pb.SessionRequest(step=req), self.deadline_s)) is not None:
+                return m.step_result(r.step)
             return m.step_result(self._stub.Step(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
             _degraded(self, e, "step")
@@ -287,6 +406,7 @@ class DepotClient(_ClientCore):
 
     def close(self) -> None:
         self._closed.set()
+        self._session.reset()
         for w in self._workers:
             w.close()
         self._channel.close()
@@ -430,9 +550,14 @@ class WorkerLink:
 class AsyncDepotClient(_ClientCore):
     """The asyncio twin of DepotClient (same semantics: deadlines, degrade to miss, keeper task)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False) -> None:
+    def __init__(
+        self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False, session: bool = True
+    ) -> None:
         super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._keeper: asyncio.Task[None] | None = None
+        self._session: Any = None  # the engine path's stream, as in DepotClient's _Session
+        self._session_busy = asyncio.Lock()
+        self._session_supported = session
 
     async def register_engine(
         self,
@@ -484,6 +609,8 @@ class AsyncDepotClient(_ClientCore):
         if req is None:
             return m.MISS
         try:
+            if (r := await self._session_call(pb.SessionRequest(lookup=req))) is not None:
+                return m.lookup_result(r.lookup)
             return m.lookup_result(await self._stub.Lookup(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
             _degraded(self, e, "lookup")
@@ -494,10 +621,57 @@ class AsyncDepotClient(_ClientCore):
         if isinstance(req, m.StepResult):
             return req
         try:
+            if (r := await self._session_call(pb.SessionRequest(step=req))) is not None:
+                return m.step_result(r.step)
             return m.step_result(await self._stub.Step(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
             _degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)
+
+    async def _session_call(self, req: pb.SessionRequest) -> pb.SessionResponse | None:
+        """The answer on the session stream; None when the caller should go unary (busy, or a
+        daemon without Session); raises grpc.RpcError. As DepotClient's _Session.call: a stream
+        that ended while idle is replaced, and one that breaks as the call goes out gets it once more."""
+        if not self._session_supported or self._session_busy.locked():
+            return None
+        async with self._session_busy:
+            if self._session is not None and self._session.done():
+                self._session = None
+            reused = self._session is not None
+            deadline = time.monotonic() + self.deadline_s
+            try:
+                try:
+                    return await self._session_round_trip(req, deadline)
+                except grpc.RpcError as e:
+                    if not reused or e.code() not in BROKEN or time.monotonic() >= deadline:
+                        raise
+                    return await self._session_round_trip(req, deadline)
+            except grpc.RpcError as e:
+                if e.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    self._session_supported = False
+                    return None
+                raise
+
+    async def _session_round_trip(self, req: pb.SessionRequest, deadline: float) -> pb.SessionResponse:
+        if self._session is None:
+            self._session = self._stub.Session()
+        call = self._session
+
+        async def round_trip() -> Any:
+            await call.write(req)
+            return await call.read()
+
+        try:
+            r = await asyncio.wait_for(round_trip(), max(deadline - time.monotonic(), 0.001))
+            if r is grpc.aio.EOF:
+                raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session")
+            return r
+        except (grpc.RpcError, asyncio.TimeoutError) as e:
+            self._session = None
+            call.cancel()
+            if isinstance(e, asyncio.TimeoutError):
+                raise _LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.deadline_s * 1000:.0f} ms") from None
+            raise
 
     async def worker_events(self, rank: int, forward_done: asyncio.Queue[int]) -> AsyncIterator[m.WorkerEvent]:
         """One attach of rank `rank`: steps put on `forward_done` are reported; events are yielded.
@@ -550,6 +724,8 @@ class AsyncDepotClient(_ClientCore):
     async def close(self) -> None:
         if self._keeper is not None:
             self._keeper.cancel()
+        if self._session is not None:
+            self._session.cancel()
         await self._channel.close()
 
 

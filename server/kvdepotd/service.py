@@ -114,6 +114,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self.disk: DiskCopyEngine | None = None
         self._flush = False
         self._populating: set[asyncio.Task[None]] = set()
+        self._sessions: set[asyncio.Task[Any]] = set()  # open Session streams, ended at shutdown
+        self._closing = False
         self._stop_populating = threading.Event()
 
     @staticmethod
@@ -130,6 +132,9 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if self.disk is not None:
             await self._flush_disk(grace_s)
         self._stop_populating.set()  # a thread still faulting a mapping in stops at its next 2 MiB
+        self._closing = True
+        for task in self._sessions:  # an idle Session would hold the drain for the whole grace
+            task.cancel()
         await self.copy.close()
         if self.disk is not None:
             await self.disk.close()
@@ -352,6 +357,33 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._touch_lease(engine_id)
         self._pump()
         return convert.plan_to_pb(plan)
+
+    async def Session(
+        self, request_iterator: AsyncIterator[pb.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """Lookup and Step on one stream, answered in order by the unary handlers themselves (same
+        errors, same metrics); the first failure ends the stream with that call's status."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._sessions.add(task)
+        try:
+            async for req in request_iterator:
+                if isinstance(req, BadMessage):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.what)
+                which = req.WhichOneof("call")
+                if which == "step":
+                    yield pb.SessionResponse(step=await self.Step(req.step, context))
+                elif which == "lookup":
+                    yield pb.SessionResponse(lookup=await self.Lookup(req.lookup, context))
+                else:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Session: each SessionRequest carries a lookup or a step")
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            # Cancelling grpc's task alone leaves the call open until the server's grace ends.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "kvdepotd is shutting down")
+        finally:
+            self._sessions.discard(task)
 
     async def WorkerStream(
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext

@@ -141,3 +141,21 @@ def test_arbitrary_worker_streams(target: tuple[DaemonProcess, DepotClient], msg
     assert d.alive()
     s = c.stats()
     assert s.engines >= 1
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=st.lists(message(pb.SessionRequest.DESCRIPTOR) | st.binary(max_size=80), max_size=5))
+def test_arbitrary_session_streams(target: tuple[DaemonProcess, DepotClient], msgs: list[Any]) -> None:
+    d, c = target
+    raw = [m if isinstance(m, bytes) else m.SerializeToString() for m in msgs]
+    with grpc.insecure_channel(d.tcp) as ch:
+        stream = ch.stream_stream(f"/{SERVICE.full_name}/Session", response_deserializer=pb.SessionResponse.FromString)
+        answered = 0
+        try:
+            for _ in stream(iter(raw), timeout=2):
+                answered += 1
+        except grpc.RpcError as e:
+            assert e.code() in ALLOWED, (e.code(), e.details())
+        assert answered <= len(raw)
+    assert d.alive()
+    assert c.stats().engines >= 1

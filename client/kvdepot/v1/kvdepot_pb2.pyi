@@ -301,6 +301,22 @@ class StepResponse(_message.Message):
     delay_free: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, step: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., delay_free: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("lookup", "step")
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    lookup: LookupRequest
+    step: StepRequest
+    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("lookup", "step")
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    lookup: LookupResponse
+    step: StepResponse
+    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...
+
 class WorkerMessage(_message.Message):
     __slots__ = ("attach", "forward_done")
     class Attach(_message.Message):

@@ -64,6 +64,11 @@ class BlockManagerStub:
                 request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/kvdepot.v1.BlockManager/Session',
+                request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.SessionRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.SessionResponse.FromString,
+                _registered_method=True)
         self.WorkerStream = channel.stream_stream(
                 '/kvdepot.v1.BlockManager/WorkerStream',
                 request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.WorkerMessage.SerializeToString,
@@ -140,6 +145,17 @@ class BlockManagerServicer:
 
     def Step(self, request, context):
         """One engine step: slot updates (columnar), finished and preempted requests -> ops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
+        """The engine path as one long-lived stream per scheduler: each SessionRequest (a Lookup or a
+        Step) is answered by one SessionResponse, in order, exactly as the unary call would answer
+        it. It spares each call gRPC's per-call setup (measured: 0.5 ms round trip unary, 0.3 ms on
+        the stream). A request that fails ends the stream with the status the unary call would have
+        returned; the client opens a new stream for its next call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -222,6 +238,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.StepRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.StepResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.SessionRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.SessionResponse.SerializeToString,
             ),
             'WorkerStream': grpc.stream_stream_rpc_method_handler(
                     servicer.WorkerStream,
@@ -421,6 +442,33 @@ class BlockManager:
             '/kvdepot.v1.BlockManager/Step',
             kvdepot_dot_v1_dot_kvdepot__pb2.StepRequest.SerializeToString,
             kvdepot_dot_v1_dot_kvdepot__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvdepot.v1.BlockManager/Session',
+            kvdepot_dot_v1_dot_kvdepot__pb2.SessionRequest.SerializeToString,
+            kvdepot_dot_v1_dot_kvdepot__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
