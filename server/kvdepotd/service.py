@@ -150,6 +150,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 for gone in before - set(self.depot.engines):
                     log.warning("engine %s lease expired: its slots, pins and ops were released", gone)
                     self._close_engine(gone, "engine lease expired")
+                self.depot.reclaim()
                 self._pump()
             except Exception:  # the ticker must not die: a bug here is logged, the daemon serves on
                 log.exception("expiry tick failed")
@@ -224,6 +225,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 self.metrics.observe_copy(d.copied)
             if d.corrupt:
                 log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
+        self.depot.reclaim()  # while the engine runs its forward, not in its next Step
         self._pump()
 
     def disk_done(self, job_id: int, failed: set[int], corrupt: set[int], message: str) -> None:

@@ -89,7 +89,8 @@ class DepotMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.sim = Sim(UpdateStyle.VLLM, host_blocks=6)
+        block = layout().block_bytes  # reclaim() keeps 2 of the 6 host slots free
+        self.sim = Sim(UpdateStyle.VLLM, depot=Depot(DepotConfig(host_bytes=6 * block, slab_bytes=4 * block, free_reserve_fraction=1 / 3)))
         self.reqs: dict[str, dict] = {}  # rid -> {tokens, sent, computed, table, running}
         self.next_block = 0
         self.released: list[str] = []
@@ -161,6 +162,12 @@ class DepotMachine(RuleBasedStateMachine):
     def copies(self, fail: set[int]) -> None:
         self.sim.run_copies(fail)
 
+    @rule()
+    def reclaim(self) -> None:  # the service's background eviction, between any two engine calls
+        self.sim.depot.reclaim()
+        pool = self.sim.depot.engines[self.sim.engine].domain.registry.pool
+        assert pool.capacity_blocks - pool.num_used >= 2 or not self.sim.depot.reclaim()
+
     @rule(ms=st.integers(0, 40_000))
     def time_passes(self, ms: int) -> None:
         self.sim.now += ms
@@ -219,6 +226,7 @@ class DiskDepotMachine(DepotMachine):
         conf = DepotConfig(
             host_bytes=6 * block, slab_bytes=2 * block, disk_bytes=6 * disk_record_bytes(block),
             disk_slab_bytes=3 * disk_record_bytes(block), disk_watermark=0.5, disk_job_blocks=2, disk_admit_after=1,
+            free_reserve_fraction=1 / 3,
         )
         self.sim = Sim(UpdateStyle.VLLM, depot=Depot(conf))
         self.pending: list[DiskJob] = []

@@ -71,3 +71,22 @@ def test_transition(row: Row) -> None:
     assert blocks_of(plan, OpKind.LOAD) == row.loads
     assert blocks_of(plan, OpKind.STORE) == row.stores
     sim.depot.check_invariants()
+
+
+def test_reclaim_frees_a_reserve_ahead_of_the_stores_that_need_it() -> None:
+    """Background eviction (the service runs it while the engine computes): least recently used
+    leaves go first, down to 1/64 of the pool free; a Step's stores then allocate without evicting,
+    and blocks a lookup pinned stay."""
+    sim = Sim(host_blocks=128)  # reserve: 2 slots
+    reg = sim.depot.engines[sim.engine].domain.registry
+    for i in range(16):  # 16 prompts of 8 blocks fill the tier
+        sim.prefill_and_store(f"r{i}", prompt(128, start=1000 * i + 1))
+    assert reg.pool.capacity_blocks - reg.pool.num_used == 0
+    assert sim.lookup("hold", prompt(128, start=1)) == 128 - 16  # pins r0's blocks (all but the last)
+    assert sim.depot.reclaim() == 2
+    assert reg.pool.capacity_blocks - reg.pool.num_used == 2 and reg.evictions == 2
+    assert sim.resident(prompt(128, start=1)) == 7  # only r0's unpinned last block went of r0 ...
+    assert sim.resident(prompt(128, start=1001)) == 7  # ... and then the next LRU leaf, r1's last
+    assert sim.depot.reclaim() == 0  # at the reserve already
+    plan = sim.step(sim.new("new", prompt(32, start=99_001), S=32, table=[500, 501]))
+    assert blocks_of(plan, OpKind.STORE) == [0, 1] and reg.evictions == 2  # served from the reserve

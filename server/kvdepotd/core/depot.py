@@ -8,6 +8,9 @@ Primitives (called by the service on the event loop, one at a time; `now_ms` is 
     take_ready() -> [(Op, rank)]      op parts the copy engine should run now
     complete_part(op_id, rank, failed_indices, message)   the copy engine's report for one part
     expire(now_ms)                    ends ops, pins and leases past their deadlines
+    reclaim() -> int                  evicts ahead of need down to a small reserve of free host
+                                      slots, so a Step's stores find one without evicting (the
+                                      service calls it off the engine's path)
     part_copied(op_id, rank)          a late-checked load's bytes reached the engine on one rank
     take_events() -> [OpCompleted | RequestReleased | LoadCopied]      what the workers must be told
     clear(), stats(), slot_blocks(), block_info()          admin and inspection
@@ -85,6 +88,10 @@ class DepotConfig:
     disk_watermark: float = 0.8  # write-back: host pool fraction past which admitted blocks are written
     disk_job_blocks: int = 32
     disk_jobs_in_flight: int = 4  # write jobs per layout class
+    # reclaim() keeps this many host slots of each layout class free: 1/64 of the pool, at most 256
+    # (a few steps' worth of stores), so eviction leaves the Step path at the cost of that margin.
+    free_reserve_fraction: float = 1 / 64
+    free_reserve_max: int = 256
     # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
     # daemon's op 7 would take the new daemon's op 7 as done. The service starts them from the clock.
     first_op_id: int = 1
@@ -662,6 +669,18 @@ class Depot:
 
     def _load_open(self, slot: Slot, step: int) -> bool:
         return any((o := self.ops.ops.get(i)) is not None and o.kind is OpKind.LOAD and o.step <= step for i in slot.ops)
+
+    def reclaim(self) -> int:
+        """Evicts host blocks (prefix-aware, LRU, as a store would) until each host pool has its
+        reserve of free slots or nothing more is evictable; returns how many it evicted."""
+        cfg = self.config
+        evicted = 0
+        for dom in self.domains.values():
+            reg, pool = dom.registry, dom.registry.pool
+            reserve = min(cfg.free_reserve_max, int(pool.capacity_blocks * cfg.free_reserve_fraction))
+            while pool.capacity_blocks - pool.num_used < reserve and reg.evict_one():
+                evicted += 1
+        return evicted
 
     def take_ready(self) -> list[tuple[Op, int]]:
         ready, self._ready = self._ready, []

@@ -12,6 +12,7 @@ Primitives (all synchronous; the caller is the Depot, on one thread):
     discard(hash)                      drops a corrupt block (at once, or when its last pin goes)
     touch(hashes)                      marks use, for LRU
     clear() -> (dropped, kept)         drops every block that is neither pinned nor in flight
+    evict_one() -> bool                the policy's next evictable block goes; False when none is
     restore(blocks) -> int             RESIDENT entries at given slots (a persistent tier after restart)
     drops                              (hash, slot) of every dropped entry, when track_drops (the disk
                                        tier journals them); the owner drains it
@@ -142,7 +143,7 @@ class BlockRegistry:
         assert h not in self.entries, "prepare_store of a block already resident or in flight"
         slot = self.pool.allocate()
         while slot is None:
-            if not self._evict_one():
+            if not self.evict_one():
                 return None
             slot = self.pool.allocate()
         e = BlockEntry(hash=h, parent=parent, slot=slot, last_use=self._tick(), children=self._child_count.get(h, 0))
@@ -225,7 +226,7 @@ class BlockRegistry:
     def clear(self) -> tuple[int, int]:
         """Drops every block that is neither pinned nor in flight (children first, so parents become leaves)."""
         dropped = 0
-        while self._evict_one():
+        while self.evict_one():
             dropped += 1
         return dropped, len(self.entries)
 
@@ -244,18 +245,18 @@ class BlockRegistry:
             self._policy.offer(e)
         return True
 
-    # -- internals ---------------------------------------------------------------------------
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
-    def _evict_one(self) -> bool:
+    def evict_one(self) -> bool:
         h = self._policy.pop(self.entries)
         if h is None:
             return False
         self._drop(self.entries[h])
         self.evictions += 1
         return True
+
+    # -- internals ---------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     def _drop(self, e: BlockEntry) -> None:
         assert e.pins == 0 or e.status is BlockStatus.STORING
