@@ -365,6 +365,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
     ) -> AsyncIterator[pb.SessionResponse]:
         """Lookup and Step on one stream, answered in order by the unary handlers themselves (same
         errors, same metrics); the first failure ends the stream with that call's status."""
+        if self._closing:  # a client reopening during the drain would hold it for the whole grace
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "kvdepotd is shutting down")
         task = asyncio.current_task()
         assert task is not None
         self._sessions.add(task)
