@@ -6,29 +6,12 @@ import time
 
 import pytest
 
-from kvdepot import DepotClient
-from kvdepot.errors import Unavailable
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.daemon import free_port
 from tests.vllm.engine import P, generate, reset
-from tests.vllm.test_faults import counters, make
+from tests.vllm.test_faults import counters, make, wait_registered
 
 pytestmark = pytest.mark.vllm
-
-
-def wait_registered(address: str, timeout_s: float = 20.0) -> None:
-    """Until the connector's scheduler and worker registered again with the new daemon."""
-    end = time.monotonic() + timeout_s
-    while True:
-        try:  # the process's gRPC connection to the address may still be backing off from the restart
-            with DepotClient(address, strict=True, deadline_s=5.0) as c:
-                s = c.stats()
-            if s.engines >= 1 and s.mapped_ranks >= 1:
-                return
-        except Unavailable:
-            pass
-        assert time.monotonic() < end, "the connector did not register with the restarted daemon"
-        time.sleep(0.1)
 
 
 def test_prompt_stored_before_a_daemon_restart_is_a_hit_after_it(

@@ -14,6 +14,7 @@ import pytest
 from vllm import LLM
 
 from kvdepot import DepotClient
+from kvdepot.errors import Unavailable
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.daemon import free_port
 from tests.vllm.engine import LONG, LONG_TOKENS, P, Q, connector_of, engine_args, generate, kv_config, reset
@@ -24,6 +25,22 @@ pytestmark = pytest.mark.vllm
 def counters(address: str) -> dict[str, int]:
     with DepotClient(address, strict=True, deadline_s=5.0) as c:
         return dict(c.stats().counters)
+
+
+def wait_registered(address: str, timeout_s: float = 20.0) -> None:
+    """Until the connector's scheduler registered with the daemon at `address` and its worker
+    handed over its KV caches (after a start or a restart of the daemon)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:  # the process's gRPC connection to the address may still be backing off from the restart
+            with DepotClient(address, strict=True, deadline_s=5.0) as c:
+                s = c.stats()
+            if s.engines >= 1 and s.mapped_ranks >= 1:
+                return
+        except Unavailable:
+            pass
+        assert time.monotonic() < end, "the connector did not register with the daemon"
+        time.sleep(0.1)
 
 
 def make(fresh_llm: list, model_dir: str, address: str, **kw: Any) -> LLM:  # type: ignore[type-arg]
@@ -72,11 +89,9 @@ def test_no_daemon_at_start_then_it_comes(fresh_llm: list, model_dir: str, expec
         while not connector_of(llm)._sched.client.engine_id and time.monotonic() < deadline:
             time.sleep(0.05)
         assert connector_of(llm)._sched.client.engine_id  # the keeper registered in the background
-        deadline = time.monotonic() + 10  # the worker registers its KV caches on its own link
-        while counters(d.tcp).get("engines_registered", 0) < 1 or not d.alive():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.5)
+        # The worker registers its KV caches and attaches on its own link, after its own back-off:
+        # until it has, the stores of the next request wait for it (and vLLM keeps their blocks).
+        wait_registered(d.tcp)
         assert generate(llm, [P])[0] == (expected["P"], 0)
         reset(llm)
         assert generate(llm, [P])[0] == (expected["P"], 96)
