@@ -85,6 +85,13 @@ class _LocalRpcError(grpc.RpcError):
         return self._details
 
 
+def _again_on_new_stream(reused: bool, e: grpc.RpcError, deadline: float) -> bool:
+    """Whether a failed session call goes once more, on a new stream: only when a stream that was
+    already open broke under it, which says nothing about the call (Lookup and Step are both safe
+    to repeat; a repeated step is answered the same), and time is left."""
+    return reused and e.code() in BROKEN and time.monotonic() < deadline
+
+
 class _Session:
     """The engine path's stream (rpc Session): Lookup and Step in one long-lived call, which spares
     each call gRPC's per-call setup. Opened on first use and again after any failure; one call at
@@ -115,26 +122,22 @@ class _Session:
                 self.reset()
             reused = self._call is not None
             try:
-                return self._round_trip(req, deadline)
+                return self._round_trip(req, deadline, timeout_s)
             except grpc.RpcError as e:
-                # A stream that broke just as this call went out says nothing about the call: it goes
-                # once more on a new stream (Lookup and Step are both safe to repeat; a repeated step
-                # is answered the same).
-                if not reused or self._expired or e.code() not in BROKEN or time.monotonic() >= deadline:
+                if not _again_on_new_stream(reused, e, deadline):
                     raise
-                return self._round_trip(req, deadline)
+                return self._round_trip(req, deadline, timeout_s)
         except grpc.RpcError as e:
             if e.code() is grpc.StatusCode.UNIMPLEMENTED:  # a daemon older than Session
                 self.supported = False
                 return None
-            if self._expired:
-                raise _LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
             raise
         finally:
             self._busy.release()
 
-    def _round_trip(self, req: pb.SessionRequest, deadline: float) -> pb.SessionResponse:
-        """One request and its answer on the stream (opened if need be); any failure resets it."""
+    def _round_trip(self, req: pb.SessionRequest, deadline: float, timeout_s: float) -> pb.SessionResponse:
+        """One request and its answer on the stream (opened if need be); any failure resets it, and
+        one the watchdog caused is DEADLINE_EXCEEDED."""
         if self._call is None:
             self._open()
         call = self._call
@@ -148,6 +151,8 @@ class _Session:
             raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session") from None
         except grpc.RpcError:
             self.reset()
+            if self._expired:
+                raise _LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
             raise
         finally:
             with self._guard:
@@ -631,7 +636,8 @@ class AsyncDepotClient(_ClientCore):
     async def _session_call(self, req: pb.SessionRequest) -> pb.SessionResponse | None:
         """The answer on the session stream; None when the caller should go unary (busy, or a
         daemon without Session); raises grpc.RpcError. As DepotClient's _Session.call: a stream
-        that ended while idle is replaced, and one that breaks as the call goes out gets it once more."""
+        that ended while idle is replaced, and one that breaks as the call goes out gets it once more
+    (_again_on_new_stream)."""
         if not self._session_supported or self._session_busy.locked():
             return None
         async with self._session_busy:
@@ -643,7 +649,7 @@ class AsyncDepotClient(_ClientCore):
                 try:
                     return await self._session_round_trip(req, deadline)
                 except grpc.RpcError as e:
-                    if not reused or e.code() not in BROKEN or time.monotonic() >= deadline:
+                    if not _again_on_new_stream(reused, e, deadline):
                         raise
                     return await self._session_round_trip(req, deadline)
             except grpc.RpcError as e:
