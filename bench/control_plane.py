@@ -4,8 +4,9 @@ Prints one JSON line:
   step256_p50_ms / step256_p99_ms   a Step carrying 256 decode updates (client build + RPC + daemon + parse)
   lookup128k_ms                      Lookup of a 131072-token prompt the host tier holds (full hit, worst case)
   lookup128k_miss_ms                 the same prompt when nothing matches (encoding + transport of 512 KiB)
-  empty_step_p50_ms                  a Step carrying nothing: the gRPC round-trip floor of this machine
-                                     (the client's session stream; *_unary_*: each Step its own call)
+  empty_step_p50_ms                  a Step carrying nothing: the round-trip floor of this machine
+                                     (on the daemon's lane, as the client sends; *_session_*: on the
+                                     gRPC Session stream; *_unary_*: each Step its own gRPC call)
   step256_sparse_*                   the same 256 decoding requests as a connector sends them: an update
                                      only when a request appends or completes a block (engine-side cost
                                      per step, including the steps that need no round trip)
@@ -25,7 +26,8 @@ import sys
 import time
 import urllib.request
 
-from kvdepot import DepotClient, KvLayout, StepBatch
+from kvdepot import DepotClient, KvLayout, StepBatch, StepResult
+from kvdepot.messages import OpCompleted
 from kvdepot.testing import DaemonProcess, free_port
 from kvdepot.v1 import kvdepot_pb2 as pb
 
@@ -40,16 +42,31 @@ def pct(xs: list[float], q: float) -> float:
 
 def worker_main(address: str, engine_id: str, steps: mp.Queue, acks: mp.Queue) -> None:
     """The engine's worker process: reports each step's forward done and waits (up to 5 ms, the
-    least a real forward of 256 requests takes) for the daemon to run that step's stores, so the
-    next Step meets a daemon that is not still busy with this one, as it would behind a real forward."""
+    least a real forward of 256 requests takes) for the daemon to complete that step's stores, so
+    the next Step meets a daemon that is not still busy with this one, as it would behind a real
+    forward."""
     c = DepotClient(address, strict=True)
     c._reg = type("R", (), {"engine_id": engine_id})()  # type: ignore[assignment]  # attach to the scheduler's engine
     w = c.worker(0)
     w.attached.wait(10)
     acks.put(-1)  # attached
-    while (s := steps.get()) is not None:
+    early: set[int] = set()  # completions that came in while the worker waited on an earlier step
+    while (item := steps.get()) is not None:
+        s, stores = item
         w.forward_done(s)
-        w.wait(lambda evs: bool(evs), 0.005)
+        pending = set(stores) - early
+        early -= set(stores)
+        seen = 0
+
+        def done(evs: list[object]) -> bool:
+            nonlocal seen
+            for ev in evs[seen:]:
+                if isinstance(ev, OpCompleted):
+                    (pending.discard if ev.op_id in pending else early.add)(ev.op_id)
+            seen = len(evs)
+            return not pending
+
+        w.wait(done, 0.005)
         acks.put(s)
     c.close()
 
@@ -65,8 +82,8 @@ def bench_steps(c: DepotClient, steps: int, dense_only: bool = False) -> dict[st
 
     class W:  # the step goes to the worker process, as an engine's scheduler hands it to its workers
         @staticmethod
-        def forward_done(step: int) -> None:
-            q.put(step)
+        def forward_done(res: StepResult) -> None:
+            q.put((res.step, [op.op_id for op in res.ops if op.kind == "store"]))
 
         @staticmethod
         def poll() -> None:
@@ -85,7 +102,7 @@ def bench_steps(c: DepotClient, steps: int, dense_only: bool = False) -> dict[st
         next_block += nb
         admit.new(f"r{i}", toks, table, computed=0, scheduled=n)
         reqs.append({"rid": f"r{i}", "n": n, "blocks": nb})
-    w.forward_done(c.step(admit).step)
+    w.forward_done(c.step(admit))
     times: list[float] = []
     rids = [r["rid"] for r in reqs]
     ones = [1] * BATCH
@@ -110,7 +127,7 @@ def bench_steps(c: DepotClient, steps: int, dense_only: bool = False) -> dict[st
         res = c.step(b)
         dt = time.perf_counter() - t0
         assert not res.degraded, "step degraded: the daemon did not answer in time"
-        w.forward_done(res.step)
+        w.forward_done(res)
         if s >= 50:  # warm-up
             times.append(dt * 1000)
         w.poll()
@@ -142,27 +159,28 @@ def bench_steps(c: DepotClient, steps: int, dense_only: bool = False) -> dict[st
         res = c.step(b)
         sparse.append((time.perf_counter() - t0) * 1000)
         assert not res.degraded
-        w.forward_done(res.step)
+        w.forward_done(res)
         w.poll()
     q.put(None)
     proc.join(10)
-    # The floor: a Step that carries nothing, same client and daemon, on the session stream and as
-    # a unary call (the client itself skips empty steps; these force the round trip).
-    empty: list[float] = []
-    empty_unary: list[float] = []
+    # The floor: a Step that carries nothing, same client and daemon, on each transport (the client
+    # itself skips empty steps; these force the round trip).
+    empty: dict[str, list[float]] = {"lane": [], "session": [], "unary": []}
     for _ in range(500):
-        for out, unary in ((empty, False), (empty_unary, True)):
+        for how, out in empty.items():
             c._step += 1
             req = StepBatch().to_pb(c.engine_id, c._step)
             t0 = time.perf_counter()
-            if unary:
+            if how == "unary":
                 c._stub.Step(req, timeout=5)
             else:
-                assert c._session.call(pb.SessionRequest(step=req), 5.0) is not None
+                call = c._lane.call if how == "lane" else c._session.call
+                assert call(pb.SessionRequest(step=req), 5.0) is not None, f"no {how}"
             out.append((time.perf_counter() - t0) * 1000)
     return {
-        "empty_step_p50_ms": round(statistics.median(empty[50:]), 3),
-        "empty_step_unary_p50_ms": round(statistics.median(empty_unary[50:]), 3),
+        "empty_step_p50_ms": round(statistics.median(empty["lane"][50:]), 3),
+        "empty_step_session_p50_ms": round(statistics.median(empty["session"][50:]), 3),
+        "empty_step_unary_p50_ms": round(statistics.median(empty["unary"][50:]), 3),
         "step256_p50_ms": round(statistics.median(times), 3),
         "step256_p99_ms": round(pct(times, 0.99), 3),
         "step256_mean_ms": round(statistics.fmean(times), 3),
@@ -237,10 +255,11 @@ def main() -> int:
             out.update(bench_steps(c, args.steps))
         if daemon is not None:  # the daemon's own time per Step (its RPC histogram), without the wire
             out["step256_daemon_mean_ms"] = round(daemon_mean_ms(metrics_port, "Step"), 3)
-        with DepotClient(address, strict=True, deadline_s=5.0, session=False) as c:  # each Step its own call
-            c.register_engine("bench-model", LAYOUT, name="bench-steps-unary")
-            unary = bench_steps(c, args.steps, dense_only=True)
-            out["step256_unary_p50_ms"], out["step256_unary_p99_ms"] = unary["step256_p50_ms"], unary["step256_p99_ms"]
+        for how, kwargs in (("session", {"lane": False}), ("unary", {"session": False})):  # the other transports
+            with DepotClient(address, strict=True, deadline_s=5.0, **kwargs) as c:
+                c.register_engine("bench-model", LAYOUT, name=f"bench-steps-{how}")
+                other = bench_steps(c, args.steps, dense_only=True)
+                out[f"step256_{how}_p50_ms"], out[f"step256_{how}_p99_ms"] = other["step256_p50_ms"], other["step256_p99_ms"]
         with DepotClient(address, strict=True, deadline_s=5.0) as c:
             c.register_engine("bench-model", LAYOUT, name="bench-lookup")
             out.update(bench_lookup(c))

@@ -23,6 +23,7 @@ import grpc
 
 from kvdepot import messages as m
 from kvdepot.errors import DepotError, NotFound, from_rpc_error
+from kvdepot.lane import Lane, LocalRpcError
 from kvdepot.layout import KvLayout
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
@@ -69,20 +70,6 @@ def _degraded(client: Any, e: grpc.RpcError, what: str) -> None:
         log.debug("kvdepot %s degraded to a miss: %s", what, code.name)
     else:
         log.error("kvdepot %s rejected (%s): %s; treating it as a miss", what, code.name, e.details())
-
-
-class _LocalRpcError(grpc.RpcError):
-    """A failure the client itself decided (a stream call past its deadline), shaped like grpc's."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 def _again_on_new_stream(reused: bool, e: grpc.RpcError, deadline: float) -> bool:
@@ -148,11 +135,11 @@ class _Session:
             return next(call)
         except StopIteration:
             self.reset()
-            raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session") from None
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session") from None
         except grpc.RpcError:
             self.reset()
             if self._expired:
-                raise _LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
+                raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
             raise
         finally:
             with self._guard:
@@ -257,16 +244,26 @@ class DepotClient(_ClientCore):
     """Synchronous client; safe to share between threads."""
 
     def __init__(
-        self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False, session: bool = True
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        deadline_s: float = 0.1,
+        admin_deadline_s: float = 10.0,
+        strict: bool = False,
+        session: bool = True,
+        lane: bool = True,
     ) -> None:
-        """`session`: lookups and steps share one long-lived stream (rpc Session), which saves
-        gRPC's per-call setup; False sends each as its own unary call."""
+        """Lookups and steps go on the daemon's lane (a plain framed socket, kvdepot.lane) when
+        `lane` and the daemon has one, else on one long-lived gRPC stream (rpc Session), which
+        saves gRPC's per-call setup; `session=False` sends each as its own unary call."""
         super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._workers: list[WorkerLink] = []
         self._session = _Session(self._stub, deadline_s / 4, self._closed)
         self._session.supported = session
+        self._lane = Lane(address)
+        self._lane.enabled = lane and session
 
     # -- engine registration -------------------------------------------------------------------
     def register_engine(
@@ -298,7 +295,9 @@ class DepotClient(_ClientCore):
     def _try_register(self, raise_errors: bool = False) -> bool:
         assert self._reg is not None
         try:
-            self._reg.accept(self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0)))
+            r = self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0))
+            self._reg.accept(r)
+            self._lane.configure(r.lanes)
             log.info("kvdepot: engine registered as %s at %s", self._reg.engine_id, self.address)
             return True
         except grpc.RpcError as e:
@@ -339,7 +338,7 @@ class DepotClient(_ClientCore):
             return m.MISS
         timeout_s = timeout_s or self.deadline_s
         try:
-            if (r := self._session.call(pb.SessionRequest(lookup=req), timeout_s)) is not None:
+            if (r := self._engine_call(pb.SessionRequest(lookup=req), timeout_s)) is not None:
                 return m.lookup_result(r.lookup)
             return m.lookup_result(self._stub.Lookup(req, timeout=timeout_s))
         except grpc.RpcError as e:
@@ -352,12 +351,17 @@ class DepotClient(_ClientCore):
         if isinstance(req, m.StepResult):
             return req
         try:
-            if (r := self._session.call(pb.SessionRequest(step=req), self.deadline_s)) is not None:
+            if (r := self._engine_call(pb.SessionRequest(step=req), self.deadline_s)) is not None:
                 return m.step_result(r.step)
             return m.step_result(self._stub.Step(req, timeout=self.deadline_s))
         except grpc.RpcError as e:
             _degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)
+
+    def _engine_call(self, req: pb.SessionRequest, timeout_s: float) -> pb.SessionResponse | None:
+        """The answer over the lane, else the session stream; None: make it a unary call."""
+        r = self._lane.call(req, timeout_s)
+        return r if r is not None else self._session.call(req, timeout_s)
 
     def ops_in_flight(self, request_id: str, timeout_s: float | None = None) -> int | None:
         """How many ops of a request the daemon still runs; None when it does not answer in time
@@ -412,6 +416,7 @@ class DepotClient(_ClientCore):
     def close(self) -> None:
         self._closed.set()
         self._session.reset()
+        self._lane.close()
         for w in self._workers:
             w.close()
         self._channel.close()
@@ -670,13 +675,13 @@ class AsyncDepotClient(_ClientCore):
         try:
             r = await asyncio.wait_for(round_trip(), max(deadline - time.monotonic(), 0.001))
             if r is grpc.aio.EOF:
-                raise _LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session")
+                raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "the daemon ended the session")
             return r
         except (grpc.RpcError, asyncio.TimeoutError) as e:
             self._session = None
             call.cancel()
             if isinstance(e, asyncio.TimeoutError):
-                raise _LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.deadline_s * 1000:.0f} ms") from None
+                raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {self.deadline_s * 1000:.0f} ms") from None
             raise
 
     async def worker_events(self, rank: int, forward_done: asyncio.Queue[int]) -> AsyncIterator[m.WorkerEvent]:

@@ -34,6 +34,7 @@ class DaemonConfig:
     op_timeout_ms: int = 30_000
     max_tokens: int = 1 << 21
     max_message_mib: int = 64
+    lane: bool = True
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
@@ -69,6 +70,9 @@ HELP: dict[str, str] = {
     "op_timeout_ms": "deadline of every load and store op. Default 30000",
     "max_tokens": "most tokens one request may carry. Default 2097152",
     "max_message_mib": "largest gRPC message accepted, in MiB. Default 64",
+    "lane": "also answer the engine path (Lookup, Step) on a plain framed socket beside each listen address "
+    "(unix:PATH.lane; TCP: same host, a port of the system's choosing), told to engines when they register; "
+    "about a third of gRPC's round-trip time. Default true",
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
@@ -153,6 +157,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "op_timeout_ms": _positive("op_timeout_ms", int),
     "max_tokens": _positive("max_tokens", int),
     "max_message_mib": _positive("max_message_mib", int),
+    "lane": _bool,
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),

@@ -26,6 +26,7 @@ from prometheus_client import start_http_server
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
+from kvdepotd.lane import Lanes, unix_path
 from kvdepotd.metrics import Metrics
 from kvdepotd.service import DepotService, safe_parser
 from kvdepotd.storage.disk import DiskError, DiskStore
@@ -77,7 +78,7 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
 
 def _prepare_unix(addr: str) -> None:
     """Creates the socket's folder and removes a stale socket file nobody listens on."""
-    path = addr[len("unix://") :] if addr.startswith("unix://") else addr[len("unix:") :]
+    path = unix_path(addr)
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
@@ -164,6 +165,7 @@ class Daemon:
         self.metrics.recovery = self.recovery
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
+        self.lanes = Lanes(self.service.answer, cfg.max_message_mib << 20)
         self.addresses: list[str] = []
         self.metrics_address = ""
         self._metrics_http: object | None = None
@@ -198,10 +200,19 @@ class Daemon:
             self.metrics_address = f"http://{host}:{srv.server_port}/metrics"
         await server.start()
         self.server = server
+        if self.cfg.lane:
+            for addr in self.addresses:
+                if addr.startswith("unix:"):
+                    _prepare_unix(addr + ".lane")
+                try:
+                    await self.lanes.listen(addr)
+                except OSError as e:
+                    raise StartupError(f"cannot open the lane beside {addr}: {e.strerror}") from None
+            self.service.lanes = self.lanes.addresses
         self.service.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("kvdepotd serving on %s", ", ".join(self.addresses))
+        log.info("kvdepotd serving on %s%s", ", ".join(self.addresses), f" (lanes {', '.join(self.lanes.addresses)})" if self.lanes.addresses else "")
         log.info(
             "host tier %.2f GiB (%d-MiB slabs, %d copy threads), lease %d ms, op deadline %d ms, metrics %s",
             self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
@@ -230,16 +241,16 @@ class Daemon:
         self._shutdown_started = True
         log.info("%s: draining (health NOT_SERVING, grace %.1f s)", why, self.cfg.drain_grace_s)
         await self.health.enter_graceful_shutdown()
+        self.lanes.close()
         if self.server is not None:
             await self.service.close(self.cfg.drain_grace_s)
             await self.server.stop(self.cfg.drain_grace_s)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
         self.arena.close()
-        for addr in self.addresses:
+        for addr in self.addresses + self.lanes.addresses:
             if addr.startswith("unix:"):
-                path = addr[len("unix://") :] if addr.startswith("unix://") else addr[len("unix:") :]
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
+                    os.unlink(unix_path(addr))
         log.info("stopped")
         self._stopped.set()

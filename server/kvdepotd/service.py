@@ -116,6 +116,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._populating: set[asyncio.Task[None]] = set()
         self._sessions: set[asyncio.Task[Any]] = set()  # open Session streams, ended at shutdown
         self._closing = False
+        self.lanes: list[str] = []  # the lane addresses (kvdepotd.lane), told to engines as they register
         self._stop_populating = threading.Event()
 
     @staticmethod
@@ -279,6 +280,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             block_bytes=eng.layout.block_bytes,
             host_capacity_blocks=self.depot.capacity_blocks(engine_id),
             joined=joined,
+            lanes=self.lanes,
         )
 
     @rpc
@@ -374,13 +376,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             async for req in request_iterator:
                 if isinstance(req, BadMessage):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.what)
-                which = req.WhichOneof("call")
-                if which == "step":
-                    yield pb.SessionResponse(step=await self.Step(req.step, context))
-                elif which == "lookup":
-                    yield pb.SessionResponse(lookup=await self.Lookup(req.lookup, context))
-                else:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Session: each SessionRequest carries a lookup or a step")
+                yield await self.answer(req, context)
         except asyncio.CancelledError:
             if not self._closing:
                 raise
@@ -388,6 +384,16 @@ class DepotService(pb_grpc.BlockManagerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kvdepotd is shutting down")
         finally:
             self._sessions.discard(task)
+
+    async def answer(self, req: pb.SessionRequest, context: Any) -> pb.SessionResponse:
+        """One call of a Session stream or of the lane (kvdepotd.lane), by the unary handler."""
+        which = req.WhichOneof("call")
+        if which == "step":
+            return pb.SessionResponse(step=await self.Step(req.step, context))
+        if which == "lookup":
+            return pb.SessionResponse(lookup=await self.Lookup(req.lookup, context))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Session: each SessionRequest carries a lookup or a step")
+        raise AssertionError("unreachable")
 
     async def WorkerStream(
         self, request_iterator: AsyncIterator[pb.WorkerMessage], context: grpc.aio.ServicerContext

@@ -6,6 +6,8 @@ never a traceback in its log; and its own invariants hold afterwards (checked th
 
 from __future__ import annotations
 
+import socket
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +25,7 @@ from tests.integration.conftest import LAYOUT
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
 SERVICE = pb.DESCRIPTOR.services_by_name["BlockManager"]
 UNARY = [m for m in SERVICE.methods if not m.client_streaming and not m.server_streaming]
+LANE_CODES = {c.value[0]: c for c in grpc.StatusCode}
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,
@@ -157,5 +160,26 @@ def test_arbitrary_session_streams(target: tuple[DaemonProcess, DepotClient], ms
         except grpc.RpcError as e:
             assert e.code() in ALLOWED, (e.code(), e.details())
         assert answered <= len(raw)
+    assert d.alive()
+    assert c.stats().engines >= 1
+
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    msgs=st.lists(message(pb.SessionRequest.DESCRIPTOR) | st.binary(max_size=80), max_size=5),
+    tail=st.binary(max_size=12),  # then bytes that need not be a whole frame
+)
+def test_arbitrary_lane_frames(target: tuple[DaemonProcess, DepotClient], msgs: list[Any], tail: bytes) -> None:
+    """The lane answers every whole frame with OK or an allowed status, in order."""
+    d, c = target
+    raw = [m if isinstance(m, bytes) else m.SerializeToString() for m in msgs]
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(d.unix[len("unix:") :] + ".lane")
+        s.sendall(b"".join(struct.pack("<I", len(r)) + r for r in raw) + tail)
+        for _ in raw:
+            (n,) = struct.unpack("<I", s.recv(4, socket.MSG_WAITALL))
+            body = s.recv(n, socket.MSG_WAITALL)
+            assert body and (body[0] == 0 or LANE_CODES[body[0]] in ALLOWED), body
     assert d.alive()
     assert c.stats().engines >= 1

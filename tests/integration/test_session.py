@@ -1,4 +1,4 @@
-"""The engine path's stream (rpc Session): what a unary Lookup or Step would answer, one call's
+"""The engine path's stream (rpc Session), with the lane off: what a unary Lookup or Step would answer, one call's
 failure ends only that call, a stalled daemon costs a call its deadline and nothing more, a daemon
 without Session is served unary, and an open session does not hold a shutdown."""
 
@@ -53,7 +53,7 @@ def test_raw_session_answers_in_order_and_ends_on_the_first_error(daemon: Daemon
 
 
 def test_a_rejected_step_fails_alone_and_the_next_call_opens_a_new_stream(daemon: DaemonProcess) -> None:
-    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0) as c:
+    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, lane=False) as c:
         c.register_engine("m-session", LAYOUT)
         bad = StepBatch()
         bad.new("r", list(range(64)), [0], computed=0, scheduled=64)  # 4 blocks of tokens, a 1-entry table
@@ -75,7 +75,7 @@ def stalled() -> Iterator[DaemonProcess]:
 def test_a_stalled_daemon_costs_each_call_its_deadline_then_the_session_recovers(stalled: DaemonProcess) -> None:
     d = stalled
     assert d.proc is not None
-    with DepotClient(d.tcp, deadline_s=0.2) as c:
+    with DepotClient(d.tcp, deadline_s=0.2, lane=False) as c:
         c.register_engine("m-stall", LAYOUT)
         assert not c.step(new_batch("a", list(range(32)))).degraded  # the session is open
         d.proc.send_signal(signal.SIGSTOP)
@@ -153,7 +153,7 @@ def test_a_daemon_without_session_is_served_unary() -> None:
 
 def test_an_open_session_does_not_hold_the_drain() -> None:
     d = DaemonProcess(args=["--drain-grace-s", "10"]).start()
-    with DepotClient(d.tcp, deadline_s=0.5) as c:
+    with DepotClient(d.tcp, deadline_s=0.5, lane=False) as c:
         c.register_engine("m", LAYOUT)
         assert not c.step(new_batch("r", list(range(32)))).degraded  # the session stays open
         assert d.proc is not None
@@ -170,7 +170,7 @@ def test_the_first_call_after_a_daemon_restart_is_answered() -> None:
     of failing on the dead one (a restarted daemon must not cost the engine a miss)."""
     toks = list(range(900, 964))
     d = DaemonProcess().start()
-    with DepotClient(d.tcp, deadline_s=1.0) as c:
+    with DepotClient(d.tcp, deadline_s=1.0, lane=False) as c:
         c.register_engine("m", LAYOUT)
         assert not c.lookup("a", toks).degraded  # the session is open
         assert d.stop() == 0

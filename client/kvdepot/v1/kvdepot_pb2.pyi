@@ -84,18 +84,20 @@ class RegisterEngineRequest(_message.Message):
     def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ..., late_load_checks: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
-    __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks", "joined")
+    __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks", "joined", "lanes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     JOINED_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     lease_ms: int
     block_bytes: int
     host_capacity_blocks: int
     joined: bool
-    def __init__(self, engine_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., joined: _Optional[bool] = ...) -> None: ...
+    lanes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine_id: _Optional[str] = ..., lease_ms: _Optional[int] = ..., block_bytes: _Optional[int] = ..., host_capacity_blocks: _Optional[int] = ..., joined: _Optional[bool] = ..., lanes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("engine_id",)

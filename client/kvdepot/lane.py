@@ -1,0 +1,186 @@
+"""The client's end of the lane: Lookup and Step on a plain framed socket (see kvdepotd.lane for
+the wire format and why). One blocking socket, one call at a time, the caller's own thread: no
+thread hand-offs, which is where gRPC's round trip spends its time on a small machine.
+
+    pick(address, lanes)        the lane beside the gRPC address the client was given, or None
+    Lane.call(req, timeout_s)   the answer; None when the lane cannot be used now (the caller goes
+                                over gRPC); raises grpc.RpcError (LocalRpcError) otherwise
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from kvdepot.v1 import kvdepot_pb2 as pb
+
+log = logging.getLogger("kvdepot")
+FRAME = struct.Struct("<I")
+CODES = {c.value[0]: c for c in grpc.StatusCode}
+WILDCARD = ("0.0.0.0", "[::]", "::", "")
+MAX_BACKOFF_S = 30.0
+
+
+class LocalRpcError(grpc.RpcError):
+    """A failure shaped like grpc's: a lane's answer, or one the client itself decided (a call past
+    its deadline, a connection that broke)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+Target = tuple[str, str, int]  # ("unix", path, 0) or ("tcp", host, port)
+
+
+def pick(address: str, lanes: Sequence[str]) -> Target | None:
+    """unix:PATH reaches its lane at PATH.lane; HOST:PORT at the same host, on the port of the lane
+    the daemon opened beside that host (or beside a wildcard host). Other forms: no lane."""
+    if address.startswith("unix:"):
+        if not any(lane.startswith("unix:") for lane in lanes):
+            return None
+        path = address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
+        return ("unix", path + ".lane", 0)
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in host:
+        return None
+    tcp = [(h, p) for h, _, p in (lane.rpartition(":") for lane in lanes if not lane.startswith("unix:")) if p.isdigit()]
+    if not tcp:
+        return None
+    port_of = next((p for h, p in tcp if h == host), None) or next((p for h, p in tcp if h in WILDCARD), None) or tcp[0][1]
+    return ("tcp", host.strip("[]"), int(port_of))
+
+
+class Lane:
+    def __init__(self, address: str) -> None:
+        self._address = address
+        self._target: Target | None = None
+        self._sock: socket.socket | None = None
+        self._busy = threading.Lock()  # held by the one call in flight
+        self._retry_at = 0.0  # after a failed connect, the lane rests until then
+        self._backoff_s = 0.0
+        self.enabled = True
+
+    def configure(self, lanes: Sequence[str]) -> None:
+        """The lanes a (new) registration told of; a changed target drops the old connection."""
+        target = pick(self._address, lanes) if self.enabled else None
+        with self._busy:
+            if target != self._target:
+                self._target = target
+                self._retry_at, self._backoff_s = 0.0, 0.0
+                self._drop()
+
+    def call(self, req: pb.SessionRequest, timeout_s: float) -> pb.SessionResponse | None:
+        if self._target is None or not self._busy.acquire(blocking=False):
+            return None
+        try:
+            deadline = time.monotonic() + timeout_s
+            data = req.SerializeToString()
+            frame = FRAME.pack(len(data)) + data
+            # A connection that was already open may have died while idle (a restarted daemon): that
+            # says nothing about the call, which is safe to send again (a repeated step is answered
+            # the same), so it goes once more on a new connection. A new one that breaks hands the
+            # call to gRPC, and the lane rests: a daemon that is down fails there too, within the
+            # deadline, and one whose lane alone is out keeps its engine served.
+            for _ in range(2):
+                if self._sock is None and not self._connect(deadline):
+                    return None
+                reused = self._sock is not None
+                try:
+                    return self._round_trip(frame, deadline, timeout_s)
+                except LocalRpcError as e:
+                    if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                        raise
+                    if not reused:
+                        self._rest()
+                        return None
+            return None
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        with self._busy:
+            self._target = None
+            self._drop()
+
+    def _connect(self, deadline: float) -> bool:
+        now = time.monotonic()
+        if self._target is None or now < self._retry_at:
+            return False
+        kind, where, port = self._target
+        try:
+            if kind == "unix":
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(max(deadline - now, 1e-3))
+                try:
+                    sock.connect(where)
+                except OSError:
+                    sock.close()
+                    raise
+            else:
+                sock = socket.create_connection((where, port), timeout=max(deadline - now, 1e-3))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as e:
+            self._rest(e)
+            return False
+        self._sock = sock
+        return True
+
+    def _rest(self, why: object = "it broke on a new connection") -> None:
+        """No lane for a while (doubling up to MAX_BACKOFF_S); calls go over gRPC meanwhile."""
+        assert self._target is not None
+        self._drop()
+        self._backoff_s = min(MAX_BACKOFF_S, max(0.1, 2 * self._backoff_s))
+        self._retry_at = time.monotonic() + self._backoff_s
+        kind, where, port = self._target
+        log.info("kvdepot: lane %s unusable (%s); using gRPC, trying again in %.1f s", where if kind == "unix" else f"{where}:{port}", why, self._backoff_s)
+
+    def _round_trip(self, frame: bytes, deadline: float, timeout_s: float) -> pb.SessionResponse:
+        sock = self._sock
+        assert sock is not None
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-4))
+            sock.sendall(frame)
+            (n,) = FRAME.unpack(self._recv(sock, FRAME.size))
+            body = self._recv(sock, n)
+        except TimeoutError:
+            self._drop()  # the answer may still come: this connection is out of step now
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
+        except OSError as e:
+            self._drop()
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, f"the lane broke: {e}") from None
+        if not body:
+            self._drop()
+            raise LocalRpcError(grpc.StatusCode.INTERNAL, "the lane answered an empty frame")
+        if body[0]:
+            raise LocalRpcError(CODES.get(body[0], grpc.StatusCode.UNKNOWN), bytes(body[1:]).decode(errors="replace"))
+        return pb.SessionResponse.FromString(body[1:])
+
+    @staticmethod
+    def _recv(sock: socket.socket, n: int) -> memoryview:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise ConnectionResetError("the daemon closed the lane")
+            got += k
+        return view
+
+    def _drop(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
