@@ -95,9 +95,9 @@ class Lane:
             # call to gRPC, and the lane rests: a daemon that is down fails there too, within the
             # deadline, and one whose lane alone is out keeps its engine served.
             for _ in range(2):
-                if self._sock is None and not self._connect(deadline):
-                    return None
                 reused = self._sock is not None
+                if not reused and not self._connect(deadline):
+                    return None
                 try:
                     return self._round_trip(frame, deadline, timeout_s)
                 except LocalRpcError as e:

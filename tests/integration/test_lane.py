@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -16,7 +17,7 @@ import pytest
 
 from kvdepot import DepotClient, StepBatch
 from kvdepot.errors import InvalidRequest
-from kvdepot.lane import pick
+from kvdepot.lane import Lane, pick
 from kvdepot.testing import DaemonProcess
 from kvdepot.v1 import kvdepot_pb2 as pb
 from tests.integration.conftest import LAYOUT
@@ -169,3 +170,43 @@ def test_without_a_lane_the_client_stays_on_grpc() -> None:
         c._lane.configure(["127.0.0.1:1"])  # a lane that is not there: gRPC serves, the lane rests
         assert c.step(new_batch("a", list(range(32)))).ops
         assert c._lane._sock is None and c._lane._retry_at > time.monotonic()
+
+
+class ScriptedLane:
+    """A lane server whose connections each answer `answers[i]` frames (OK, an empty
+    SessionResponse) and then close: a stand-in for a daemon that restarts or breaks."""
+
+    def __init__(self, answers: list[int]) -> None:
+        self.answers = list(answers)
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen()
+        self.port = self.server.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while self.answers:
+            conn, _ = self.server.accept()
+            self.connections += 1
+            with conn:
+                for _ in range(self.answers.pop(0)):
+                    (n,) = FRAME.unpack(conn.recv(4, socket.MSG_WAITALL))
+                    conn.recv(n, socket.MSG_WAITALL)
+                    conn.sendall(FRAME.pack(1) + b"\0")
+                conn.recv(4, socket.MSG_WAITALL)  # the next request arrives, and the connection closes
+
+
+def test_a_dead_idle_connection_costs_one_reconnect_and_a_new_one_that_breaks_hands_over_to_grpc() -> None:
+    req = pb.SessionRequest(lookup=pb.LookupRequest(engine_id="e", request_id="r"))
+    srv = ScriptedLane([1, 1, 0])
+    lane = Lane(f"127.0.0.1:{srv.port + 1}")
+    lane.configure([f"127.0.0.1:{srv.port}"])
+    assert lane.call(req, 2.0) == pb.SessionResponse()  # connection 1
+    assert lane.call(req, 2.0) == pb.SessionResponse()  # connection 1 dies under it: sent again on connection 2
+    assert srv.connections == 2
+    assert lane.call(req, 2.0) is None  # connection 2 dies, and the new connection 3 too: over to gRPC
+    assert srv.connections == 3 and lane._retry_at > time.monotonic()
+    assert lane.call(req, 2.0) is None  # resting: no connection tried
+    assert srv.connections == 3
+    lane.close()
