@@ -23,7 +23,7 @@ import grpc
 
 from kvdepot import messages as m
 from kvdepot.errors import DepotError, NotFound, from_rpc_error
-from kvdepot.lane import Lane, LocalRpcError
+from kvdepot.lane import AsyncLane, Lane, LocalRpcError
 from kvdepot.layout import KvLayout
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
@@ -561,13 +561,22 @@ class AsyncDepotClient(_ClientCore):
     """The asyncio twin of DepotClient (same semantics: deadlines, degrade to miss, keeper task)."""
 
     def __init__(
-        self, address: str = DEFAULT_ADDRESS, *, deadline_s: float = 0.1, admin_deadline_s: float = 10.0, strict: bool = False, session: bool = True
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        deadline_s: float = 0.1,
+        admin_deadline_s: float = 10.0,
+        strict: bool = False,
+        session: bool = True,
+        lane: bool = True,
     ) -> None:
         super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._keeper: asyncio.Task[None] | None = None
         self._session: Any = None  # the engine path's stream, as in DepotClient's _Session
         self._session_busy = asyncio.Lock()
         self._session_supported = session
+        self._lane = AsyncLane(address)
+        self._lane.enabled = lane and session
 
     async def register_engine(
         self,
@@ -590,7 +599,9 @@ class AsyncDepotClient(_ClientCore):
     async def _try_register(self, raise_errors: bool = False) -> bool:
         assert self._reg is not None
         try:
-            self._reg.accept(await self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0)))
+            r = await self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0))
+            self._reg.accept(r)
+            self._lane.configure(r.lanes)
             return True
         except grpc.RpcError as e:
             return self._registration_failed(e, raise_errors)
@@ -639,10 +650,12 @@ class AsyncDepotClient(_ClientCore):
             return m.StepResult(self._step, degraded=True)
 
     async def _session_call(self, req: pb.SessionRequest) -> pb.SessionResponse | None:
-        """The answer on the session stream; None when the caller should go unary (busy, or a
-        daemon without Session); raises grpc.RpcError. As DepotClient's _Session.call: a stream
-        that ended while idle is replaced, and one that breaks as the call goes out gets it once more
-    (_again_on_new_stream)."""
+        """The answer on the lane or else the session stream; None when the caller should go unary
+        (busy, or a daemon without Session); raises grpc.RpcError. As DepotClient's _Session.call: a
+        stream that ended while idle is replaced, and one that breaks as the call goes out gets it
+        once more (_again_on_new_stream)."""
+        if (r := await self._lane.call(req, self.deadline_s)) is not None:
+            return r
         if not self._session_supported or self._session_busy.locked():
             return None
         async with self._session_busy:
@@ -737,6 +750,7 @@ class AsyncDepotClient(_ClientCore):
             self._keeper.cancel()
         if self._session is not None:
             self._session.cancel()
+        self._lane.close()
         await self._channel.close()
 
 

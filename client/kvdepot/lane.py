@@ -5,10 +5,12 @@ thread hand-offs, which is where gRPC's round trip spends its time on a small ma
     pick(address, lanes)        the lane beside the gRPC address the client was given, or None
     Lane.call(req, timeout_s)   the answer; None when the lane cannot be used now (the caller goes
                                 over gRPC); raises grpc.RpcError (LocalRpcError) otherwise
+    AsyncLane                   the same for asyncio
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import struct
@@ -63,23 +65,71 @@ def pick(address: str, lanes: Sequence[str]) -> Target | None:
     return ("tcp", host.strip("[]"), int(port_of))
 
 
-class Lane:
+def answer(body: bytes | memoryview) -> pb.SessionResponse:
+    """An answer frame's bytes: the SessionResponse, or the daemon's error raised as LocalRpcError."""
+    if not body:
+        raise LocalRpcError(grpc.StatusCode.INTERNAL, "the lane answered an empty frame")
+    if body[0]:
+        raise LocalRpcError(CODES.get(body[0], grpc.StatusCode.UNKNOWN), bytes(body[1:]).decode(errors="replace"))
+    return pb.SessionResponse.FromString(body[1:])
+
+
+class _LaneBase:
+    """The decisions both clients share: which lane, when to rest it, when to send again.
+
+    A connection that was already open may have died while idle (a restarted daemon): that says
+    nothing about the call, which is safe to send again (a repeated step is answered the same), so
+    it goes once more on a new connection. A new one that breaks hands the call to gRPC and the
+    lane rests: a daemon that is down fails there too, within the deadline, and one whose lane
+    alone is out keeps its engine served."""
+
     def __init__(self, address: str) -> None:
         self._address = address
         self._target: Target | None = None
-        self._sock: socket.socket | None = None
-        self._busy = threading.Lock()  # held by the one call in flight
         self._retry_at = 0.0  # after a failed connect, the lane rests until then
         self._backoff_s = 0.0
         self.enabled = True
 
-    def configure(self, lanes: Sequence[str]) -> None:
-        """The lanes a (new) registration told of; a changed target drops the old connection."""
+    def _retarget(self, lanes: Sequence[str]) -> bool:
+        """Takes the lanes a (new) registration told of; True when the target changed."""
         target = pick(self._address, lanes) if self.enabled else None
+        if target == self._target:
+            return False
+        self._target = target
+        self._retry_at, self._backoff_s = 0.0, 0.0
+        return True
+
+    def _resting(self) -> bool:
+        return self._target is None or time.monotonic() < self._retry_at
+
+    def _rest(self, why: object = "it broke on a new connection") -> None:
+        """No lane for a while (doubling up to MAX_BACKOFF_S); calls go over gRPC meanwhile."""
+        assert self._target is not None
+        self._backoff_s = min(MAX_BACKOFF_S, max(0.1, 2 * self._backoff_s))
+        self._retry_at = time.monotonic() + self._backoff_s
+        kind, where, port = self._target
+        log.info("kvdepot: lane %s unusable (%s); using gRPC, trying again in %.1f s", where if kind == "unix" else f"{where}:{port}", why, self._backoff_s)
+
+    @staticmethod
+    def _again(e: LocalRpcError, reused: bool, deadline: float) -> bool | None:
+        """After a failed round trip: True to send again on a new connection, False to rest the
+        lane and go over gRPC, None to raise."""
+        if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+            return None
+        return reused
+
+
+class Lane(_LaneBase):
+    """For DepotClient: a blocking socket used from the caller's thread."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self._sock: socket.socket | None = None
+        self._busy = threading.Lock()  # held by the one call in flight
+
+    def configure(self, lanes: Sequence[str]) -> None:
         with self._busy:
-            if target != self._target:
-                self._target = target
-                self._retry_at, self._backoff_s = 0.0, 0.0
+            if self._retarget(lanes):
                 self._drop()
 
     def call(self, req: pb.SessionRequest, timeout_s: float) -> pb.SessionResponse | None:
@@ -89,11 +139,6 @@ class Lane:
             deadline = time.monotonic() + timeout_s
             data = req.SerializeToString()
             frame = FRAME.pack(len(data)) + data
-            # A connection that was already open may have died while idle (a restarted daemon): that
-            # says nothing about the call, which is safe to send again (a repeated step is answered
-            # the same), so it goes once more on a new connection. A new one that breaks hands the
-            # call to gRPC, and the lane rests: a daemon that is down fails there too, within the
-            # deadline, and one whose lane alone is out keeps its engine served.
             for _ in range(2):
                 reused = self._sock is not None
                 if not reused and not self._connect(deadline):
@@ -101,9 +146,10 @@ class Lane:
                 try:
                     return self._round_trip(frame, deadline, timeout_s)
                 except LocalRpcError as e:
-                    if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                    again = self._again(e, reused, deadline)
+                    if again is None:
                         raise
-                    if not reused:
+                    if not again:
                         self._rest()
                         return None
             return None
@@ -116,36 +162,28 @@ class Lane:
             self._drop()
 
     def _connect(self, deadline: float) -> bool:
-        now = time.monotonic()
-        if self._target is None or now < self._retry_at:
+        if self._resting():
             return False
+        assert self._target is not None
         kind, where, port = self._target
+        timeout = max(deadline - time.monotonic(), 1e-3)
         try:
             if kind == "unix":
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(max(deadline - now, 1e-3))
+                sock.settimeout(timeout)
                 try:
                     sock.connect(where)
                 except OSError:
                     sock.close()
                     raise
             else:
-                sock = socket.create_connection((where, port), timeout=max(deadline - now, 1e-3))
+                sock = socket.create_connection((where, port), timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as e:
             self._rest(e)
             return False
         self._sock = sock
         return True
-
-    def _rest(self, why: object = "it broke on a new connection") -> None:
-        """No lane for a while (doubling up to MAX_BACKOFF_S); calls go over gRPC meanwhile."""
-        assert self._target is not None
-        self._drop()
-        self._backoff_s = min(MAX_BACKOFF_S, max(0.1, 2 * self._backoff_s))
-        self._retry_at = time.monotonic() + self._backoff_s
-        kind, where, port = self._target
-        log.info("kvdepot: lane %s unusable (%s); using gRPC, trying again in %.1f s", where if kind == "unix" else f"{where}:{port}", why, self._backoff_s)
 
     def _round_trip(self, frame: bytes, deadline: float, timeout_s: float) -> pb.SessionResponse:
         sock = self._sock
@@ -161,12 +199,7 @@ class Lane:
         except OSError as e:
             self._drop()
             raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, f"the lane broke: {e}") from None
-        if not body:
-            self._drop()
-            raise LocalRpcError(grpc.StatusCode.INTERNAL, "the lane answered an empty frame")
-        if body[0]:
-            raise LocalRpcError(CODES.get(body[0], grpc.StatusCode.UNKNOWN), bytes(body[1:]).decode(errors="replace"))
-        return pb.SessionResponse.FromString(body[1:])
+        return answer(body)
 
     @staticmethod
     def _recv(sock: socket.socket, n: int) -> memoryview:
@@ -184,3 +217,79 @@ class Lane:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+
+class AsyncLane(_LaneBase):
+    """For AsyncDepotClient: asyncio streams, the same decisions."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._busy = asyncio.Lock()
+
+    def configure(self, lanes: Sequence[str]) -> None:
+        if self._retarget(lanes):
+            self._drop()  # a call in flight on it fails over to the new target
+
+    async def call(self, req: pb.SessionRequest, timeout_s: float) -> pb.SessionResponse | None:
+        if self._target is None or self._busy.locked():
+            return None
+        async with self._busy:
+            deadline = time.monotonic() + timeout_s
+            data = req.SerializeToString()
+            frame = FRAME.pack(len(data)) + data
+            for _ in range(2):
+                reused = self._conn is not None
+                if not reused and not await self._connect(deadline):
+                    return None
+                try:
+                    return await self._round_trip(frame, deadline, timeout_s)
+                except LocalRpcError as e:
+                    again = self._again(e, reused, deadline)
+                    if again is None:
+                        raise
+                    if not again:
+                        self._rest()
+                        return None
+            return None
+
+    def close(self) -> None:
+        self._target = None
+        self._drop()
+
+    async def _connect(self, deadline: float) -> bool:
+        if self._resting():
+            return False
+        assert self._target is not None
+        kind, where, port = self._target
+        opening = asyncio.open_unix_connection(where) if kind == "unix" else asyncio.open_connection(where, port)
+        try:
+            self._conn = await asyncio.wait_for(opening, max(deadline - time.monotonic(), 1e-3))
+        except (OSError, asyncio.TimeoutError) as e:
+            self._rest(e if isinstance(e, OSError) else "no connection within the deadline")
+            return False
+        return True
+
+    async def _round_trip(self, frame: bytes, deadline: float, timeout_s: float) -> pb.SessionResponse:
+        assert self._conn is not None
+        reader, writer = self._conn
+
+        async def exchange() -> bytes:
+            writer.write(frame)
+            (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+            return await reader.readexactly(n)
+
+        try:
+            body = await asyncio.wait_for(exchange(), max(deadline - time.monotonic(), 1e-4))
+        except asyncio.TimeoutError:
+            self._drop()
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
+        except (OSError, asyncio.IncompleteReadError) as e:
+            self._drop()
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, f"the lane broke: {e!r}") from None
+        return answer(body)
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn[1].close()

@@ -5,6 +5,7 @@ is out leaves the client on gRPC, and shutdown removes it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -15,9 +16,9 @@ import time
 import grpc
 import pytest
 
-from kvdepot import DepotClient, StepBatch
+from kvdepot import AsyncDepotClient, DepotClient, StepBatch
 from kvdepot.errors import InvalidRequest
-from kvdepot.lane import Lane, pick
+from kvdepot.lane import AsyncLane, Lane, pick
 from kvdepot.testing import DaemonProcess
 from kvdepot.v1 import kvdepot_pb2 as pb
 from tests.integration.conftest import LAYOUT
@@ -210,3 +211,46 @@ def test_a_dead_idle_connection_costs_one_reconnect_and_a_new_one_that_breaks_ha
     assert lane.call(req, 2.0) is None  # resting: no connection tried
     assert srv.connections == 3
     lane.close()
+
+
+def test_async_lane_makes_the_same_decisions() -> None:
+    req = pb.SessionRequest(lookup=pb.LookupRequest(engine_id="e", request_id="r"))
+    srv = ScriptedLane([1, 1, 0])
+
+    async def main() -> None:
+        lane = AsyncLane(f"127.0.0.1:{srv.port + 1}")
+        lane.configure([f"127.0.0.1:{srv.port}"])
+        assert await lane.call(req, 2.0) == pb.SessionResponse()
+        assert await lane.call(req, 2.0) == pb.SessionResponse()  # sent again on a new connection
+        assert await lane.call(req, 2.0) is None  # a new connection broke too: over to gRPC
+        assert srv.connections == 3 and lane._retry_at > time.monotonic()
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_async_client_uses_the_lane_and_a_stalled_daemon_costs_a_call_its_deadline() -> None:
+    d = DaemonProcess().start()
+    assert d.proc is not None
+
+    async def main() -> None:
+        c = AsyncDepotClient(d.unix, deadline_s=0.2)
+        await c.register_engine("m-async-lane", LAYOUT)
+        assert not (await c.step(new_batch("a", list(range(32))))).degraded
+        assert c._lane._conn is not None  # it went on the lane
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert (await c.lookup("b", list(range(32)))).degraded
+        assert time.monotonic() - t0 < 0.5
+        d.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.3)
+        r = await c.lookup("c", list(range(32)))
+        assert not r.degraded and r.matched_tokens == 0
+        await c.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+        assert d.stop() == 0

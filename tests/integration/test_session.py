@@ -97,7 +97,7 @@ def test_async_client_session_deadline_and_recovery(stalled: DaemonProcess) -> N
     assert d.proc is not None
 
     async def main() -> None:
-        c = AsyncDepotClient(d.tcp, deadline_s=0.2)
+        c = AsyncDepotClient(d.tcp, deadline_s=0.2, lane=False)
         await c.register_engine("m-astall", LAYOUT)
         assert not (await c.lookup("a", list(range(32)))).degraded
         d.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
@@ -189,7 +189,7 @@ def test_async_client_first_call_after_a_daemon_restart_is_answered() -> None:
     daemons = [DaemonProcess().start()]
 
     async def main() -> None:
-        c = AsyncDepotClient(daemons[0].tcp, deadline_s=1.0)
+        c = AsyncDepotClient(daemons[0].tcp, deadline_s=1.0, lane=False)
         await c.register_engine("m", LAYOUT)
         assert not (await c.lookup("a", toks)).degraded
         assert daemons[0].stop() == 0
