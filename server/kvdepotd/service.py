@@ -114,7 +114,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self.disk: DiskCopyEngine | None = None
         self._flush = False
         self._populating: set[asyncio.Task[None]] = set()
-        self._sessions: set[asyncio.Task[Any]] = set()  # open Session streams, ended at shutdown
+        # Open Session streams, ended at shutdown: task -> whether it waits for its next request.
+        self._sessions: dict[asyncio.Task[Any], bool] = {}
         self._closing = False
         self.lanes: list[str] = []  # the lane addresses (kvdepotd.lane), told to engines as they register
         self._stop_populating = threading.Event()
@@ -134,13 +135,25 @@ class DepotService(pb_grpc.BlockManagerServicer):
             await self._flush_disk(grace_s)
         self._stop_populating.set()  # a thread still faulting a mapping in stops at its next 2 MiB
         self._closing = True
-        for task in self._sessions:  # an idle Session would hold the drain for the whole grace
-            task.cancel()
+        await self._end_sessions(grace_s)
         await self.copy.close()
         if self.disk is not None:
             await self.disk.close()
         for ch in list(self.channels.values()):
             ch.close("daemon shutting down", grpc.StatusCode.UNAVAILABLE)
+
+    async def _end_sessions(self, grace_s: float) -> None:
+        """Ends idle Session streams, which would hold the drain for the whole grace. Each is
+        cancelled while it waits for its next request, in its own frame, which answers the cancel
+        with UNAVAILABLE. One that is elsewhere (grpc still completing the send of its last answer,
+        seen on a loaded machine) is left to get there: a cancel landing in grpc's frame ends the
+        task but leaves the call open until the grace is over."""
+        end = time.monotonic() + grace_s
+        while self._sessions and time.monotonic() < end:
+            for task, waiting in list(self._sessions.items()):
+                if waiting:
+                    task.cancel()
+            await asyncio.sleep(0.005)
 
     async def _tick(self) -> None:
         while True:
@@ -371,9 +384,16 @@ class DepotService(pb_grpc.BlockManagerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kvdepotd is shutting down")
         task = asyncio.current_task()
         assert task is not None
-        self._sessions.add(task)
+        requests = request_iterator.__aiter__()
         try:
-            async for req in request_iterator:
+            while True:
+                self._sessions[task] = True
+                try:
+                    req = await requests.__anext__()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    self._sessions[task] = False
                 if isinstance(req, BadMessage):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.what)
                 yield await self.answer(req, context)
@@ -383,7 +403,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             # Cancelling grpc's task alone leaves the call open until the server's grace ends.
             await context.abort(grpc.StatusCode.UNAVAILABLE, "kvdepotd is shutting down")
         finally:
-            self._sessions.discard(task)
+            self._sessions.pop(task, None)
 
     async def answer(self, req: pb.SessionRequest, context: Any) -> pb.SessionResponse:
         """One call of a Session stream or of the lane (kvdepotd.lane), by the unary handler."""
