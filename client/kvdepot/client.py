@@ -262,8 +262,7 @@ class DepotClient(_ClientCore):
         self._workers: list[WorkerLink] = []
         self._session = _Session(self._stub, deadline_s / 4, self._closed)
         self._session.supported = session
-        self._lane = Lane(address)
-        self._lane.enabled = lane and session
+        self._lane = Lane(address, enabled=lane and session)
 
     # -- engine registration -------------------------------------------------------------------
     def register_engine(
@@ -575,8 +574,7 @@ class AsyncDepotClient(_ClientCore):
         self._session: Any = None  # the engine path's stream, as in DepotClient's _Session
         self._session_busy = asyncio.Lock()
         self._session_supported = session
-        self._lane = AsyncLane(address)
-        self._lane.enabled = lane and session
+        self._lane = AsyncLane(address, enabled=lane and session)
 
     async def register_engine(
         self,

@@ -83,12 +83,12 @@ class _LaneBase:
     lane rests: a daemon that is down fails there too, within the deadline, and one whose lane
     alone is out keeps its engine served."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, enabled: bool = True) -> None:
         self._address = address
         self._target: Target | None = None
         self._retry_at = 0.0  # after a failed connect, the lane rests until then
         self._backoff_s = 0.0
-        self.enabled = True
+        self.enabled = enabled
 
     def _retarget(self, lanes: Sequence[str]) -> bool:
         """Takes the lanes a (new) registration told of; True when the target changed."""
@@ -110,20 +110,26 @@ class _LaneBase:
         kind, where, port = self._target
         log.info("kvdepot: lane %s unusable (%s); using gRPC, trying again in %.1f s", where if kind == "unix" else f"{where}:{port}", why, self._backoff_s)
 
-    @staticmethod
-    def _again(e: LocalRpcError, reused: bool, deadline: float) -> bool | None:
-        """After a failed round trip: True to send again on a new connection, False to rest the
-        lane and go over gRPC, None to raise."""
+    def _send_again(self, e: LocalRpcError, reused: bool, deadline: float) -> bool:
+        """After a failed round trip: True to send again on a new connection; False when the
+        connection was new (the lane rests and the call goes over gRPC); raises `e` otherwise."""
         if e.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
-            return None
+            raise e
+        if not reused:
+            self._rest()
         return reused
+
+
+def request_frame(req: pb.SessionRequest) -> bytes:
+    data = req.SerializeToString()
+    return FRAME.pack(len(data)) + data
 
 
 class Lane(_LaneBase):
     """For DepotClient: a blocking socket used from the caller's thread."""
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, enabled: bool = True) -> None:
+        super().__init__(address, enabled)
         self._sock: socket.socket | None = None
         self._busy = threading.Lock()  # held by the one call in flight
 
@@ -137,8 +143,7 @@ class Lane(_LaneBase):
             return None
         try:
             deadline = time.monotonic() + timeout_s
-            data = req.SerializeToString()
-            frame = FRAME.pack(len(data)) + data
+            frame = request_frame(req)
             for _ in range(2):
                 reused = self._sock is not None
                 if not reused and not self._connect(deadline):
@@ -146,11 +151,7 @@ class Lane(_LaneBase):
                 try:
                     return self._round_trip(frame, deadline, timeout_s)
                 except LocalRpcError as e:
-                    again = self._again(e, reused, deadline)
-                    if again is None:
-                        raise
-                    if not again:
-                        self._rest()
+                    if not self._send_again(e, reused, deadline):
                         return None
             return None
         finally:
@@ -222,8 +223,8 @@ class Lane(_LaneBase):
 class AsyncLane(_LaneBase):
     """For AsyncDepotClient: asyncio streams, the same decisions."""
 
-    def __init__(self, address: str) -> None:
-        super().__init__(address)
+    def __init__(self, address: str, enabled: bool = True) -> None:
+        super().__init__(address, enabled)
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._busy = asyncio.Lock()
 
@@ -236,8 +237,7 @@ class AsyncLane(_LaneBase):
             return None
         async with self._busy:
             deadline = time.monotonic() + timeout_s
-            data = req.SerializeToString()
-            frame = FRAME.pack(len(data)) + data
+            frame = request_frame(req)
             for _ in range(2):
                 reused = self._conn is not None
                 if not reused and not await self._connect(deadline):
@@ -245,11 +245,7 @@ class AsyncLane(_LaneBase):
                 try:
                     return await self._round_trip(frame, deadline, timeout_s)
                 except LocalRpcError as e:
-                    again = self._again(e, reused, deadline)
-                    if again is None:
-                        raise
-                    if not again:
-                        self._rest()
+                    if not self._send_again(e, reused, deadline):
                         return None
             return None
 

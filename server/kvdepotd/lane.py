@@ -27,16 +27,18 @@ import asyncio
 import logging
 import struct
 from collections.abc import Awaitable, Callable
-from typing import cast
+from typing import Any, cast
 
 import grpc
 
 from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepotd.service import safe_parser
 
 log = logging.getLogger("kvdepotd.lane")
 FRAME = struct.Struct("<I")
 
-Answer = Callable[[pb.SessionRequest, "LaneContext"], Awaitable[pb.SessionResponse]]
+Answer = Callable[[Any, "LaneContext"], Awaitable[pb.SessionResponse]]  # DepotService.answer
+PARSE = safe_parser(pb.SessionRequest, "Session")  # bad bytes: a BadMessage, answered INVALID_ARGUMENT
 
 
 class LaneContext:
@@ -111,14 +113,8 @@ class LaneConnection(asyncio.Protocol):
     async def _serve(self, body: bytes) -> None:
         ctx = LaneContext()
         try:
-            try:
-                req = pb.SessionRequest.FromString(body)
-            except Exception as e:  # DecodeError and friends
-                raise _Reject(f"Session: the request is not a valid {pb.SessionRequest.DESCRIPTOR.full_name} ({e})") from None
-            payload = (await self._answer(req, ctx)).SerializeToString()
+            payload = (await self._answer(PARSE(body), ctx)).SerializeToString()
             out = FRAME.pack(len(payload) + 1) + b"\0" + payload
-        except _Reject as e:
-            out = error_frame(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except grpc.aio.AbortError:
             out = error_frame(ctx.code, ctx.details)
         except Exception:  # the handlers map every error they expect; this is a bug
@@ -131,10 +127,6 @@ class LaneConnection(asyncio.Protocol):
         t.write(out)
         t.resume_reading()
         self._next()
-
-
-class _Reject(Exception):
-    pass
 
 
 class Lanes:

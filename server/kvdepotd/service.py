@@ -394,8 +394,6 @@ class DepotService(pb_grpc.BlockManagerServicer):
                     return
                 finally:
                     self._sessions[task] = False
-                if isinstance(req, BadMessage):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.what)
                 yield await self.answer(req, context)
         except asyncio.CancelledError:
             if not self._closing:
@@ -405,8 +403,11 @@ class DepotService(pb_grpc.BlockManagerServicer):
         finally:
             self._sessions.pop(task, None)
 
-    async def answer(self, req: pb.SessionRequest, context: Any) -> pb.SessionResponse:
+    async def answer(self, req: pb.SessionRequest | BadMessage, context: Any) -> pb.SessionResponse:
         """One call of a Session stream or of the lane (kvdepotd.lane), by the unary handler."""
+        if isinstance(req, BadMessage):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.what)
+            raise AssertionError("unreachable")
         which = req.WhichOneof("call")
         if which == "step":
             return pb.SessionResponse(step=await self.Step(req.step, context))
