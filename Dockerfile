@@ -19,11 +19,13 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL
  && mkdir -p /run/kvdepot /var/lib/kvdepot && chown kvdepot /run/kvdepot /var/lib/kvdepot
 
 USER kvdepot
-EXPOSE 50061 9464
+EXPOSE 50061 50062 9464
 # The same defaults as outside a container, except that it listens on all interfaces and on a
-# Unix socket in /run/kvdepot (share that folder with engine containers). A disk tier is off unless
+# Unix socket in /run/kvdepot (share that folder with engine containers), and the TCP lane (the
+# engine path's fast socket) has a fixed port, 50062, so it can be published. A disk tier is off unless
 # asked for: KVDEPOT_DISK_DIR=/var/lib/kvdepot with a volume there (see docker-compose.yml).
 ENV KVDEPOT_LISTEN=0.0.0.0:50061,unix:/run/kvdepot/kvdepotd.sock \
+    KVDEPOT_LANE_PORT=50062 \
     KVDEPOT_METRICS_LISTEN=0.0.0.0:9464
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
   CMD ["kvdepotd", "health", "127.0.0.1:50061"]

@@ -35,6 +35,7 @@ class DaemonConfig:
     max_tokens: int = 1 << 21
     max_message_mib: int = 64
     lane: bool = True
+    lane_port: int = 0
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
@@ -73,6 +74,8 @@ HELP: dict[str, str] = {
     "lane": "also answer the engine path (Lookup, Step) on a plain framed socket beside each listen address "
     "(unix:PATH.lane; TCP: same host, a port of the system's choosing), told to engines when they register; "
     "about a third of gRPC's round-trip time. Default true",
+    "lane_port": "TCP port of the lane beside each HOST:PORT listen address (a fixed one to publish or let through "
+    "a firewall); 0 lets the system pick. Default 0",
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
@@ -113,6 +116,15 @@ def _listen(v: Any) -> tuple[str, ...]:
     for s in items:
         check_address(s)
     return tuple(items)
+
+
+def _port(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError("expected a port number")
+    x = int(v)
+    if not 0 <= x <= 65535:
+        raise ValueError("must be a port in [0, 65535]")
+    return x
 
 
 def _choice(*allowed: str) -> Callable[[Any], str]:
@@ -158,6 +170,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_tokens": _positive("max_tokens", int),
     "max_message_mib": _positive("max_message_mib", int),
     "lane": _bool,
+    "lane_port": _port,
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),

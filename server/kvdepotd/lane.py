@@ -16,9 +16,9 @@ INVALID_ARGUMENT and the connection stays usable; a frame longer than the messag
 answered RESOURCE_EXHAUSTED and the connection is closed.
 
 Where: beside each `--listen` address, `unix:PATH` gets `unix:PATH.lane` and `HOST:PORT` gets
-the same host on a port of the system's choosing. RegisterEngine's answer lists them; the
-client picks the one beside the address it reached the daemon at, and falls back to the
-Session stream whenever the lane cannot be reached.
+the same host on `--lane-port` (0, the default: a port of the system's choosing). RegisterEngine's
+answer lists them; the client picks the one beside the address it reached the daemon at, and
+falls back to the Session stream whenever the lane cannot be reached.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from kvdepotd.service import safe_parser
 log = logging.getLogger("kvdepotd.lane")
 FRAME = struct.Struct("<I")
 
-Answer = Callable[[Any, "LaneContext"], Awaitable[pb.SessionResponse]]  # DepotService.answer
+Answer = Callable[[Any, "LaneContext", str], Awaitable[pb.SessionResponse]]  # DepotService.answer
 PARSE = safe_parser(pb.SessionRequest, "Session")  # bad bytes: a BadMessage, answered INVALID_ARGUMENT
 
 
@@ -113,7 +113,7 @@ class LaneConnection(asyncio.Protocol):
     async def _serve(self, body: bytes) -> None:
         ctx = LaneContext()
         try:
-            payload = (await self._answer(PARSE(body), ctx)).SerializeToString()
+            payload = (await self._answer(PARSE(body), ctx, "lane")).SerializeToString()
             out = FRAME.pack(len(payload) + 1) + b"\0" + payload
         except grpc.aio.AbortError:
             out = error_frame(ctx.code, ctx.details)
@@ -139,11 +139,15 @@ class Lanes:
         self._connections: set[LaneConnection] = set()
         self.addresses: list[str] = []
 
+    def open_connections(self) -> int:
+        return len(self._connections)
+
     def _factory(self) -> LaneConnection:
         return LaneConnection(self._answer, self._max_frame, self._connections)
 
-    async def listen(self, grpc_address: str) -> str:
-        """Opens the lane beside one gRPC listen address; returns the lane's address."""
+    async def listen(self, grpc_address: str, port: int = 0) -> str:
+        """Opens the lane beside one gRPC listen address (TCP: on `port`, 0 for the system's
+        choice); returns the lane's address."""
         loop = asyncio.get_running_loop()
         if grpc_address.startswith("unix:"):
             path = unix_path(grpc_address) + ".lane"
@@ -151,7 +155,7 @@ class Lanes:
             addr = f"unix:{path}"
         else:
             host = grpc_address.rpartition(":")[0]
-            server = await loop.create_server(self._factory, host.strip("[]"), 0)
+            server = await loop.create_server(self._factory, host.strip("[]"), port)
             port = server.sockets[0].getsockname()[1]
             addr = f"{host}:{port}"
         self._servers.append(server)

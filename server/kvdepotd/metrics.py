@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -91,11 +91,20 @@ class Metrics:
             "kvdepot_op_duration_seconds", "from the Step that planned an op to its end, to the millisecond (a store's includes "
             "the wait for its forward)", ["kind", "result"], registry=self.registry, buckets=COPY_BUCKETS,
         )
+        self.engine_calls = Counter(
+            "kvdepot_engine_calls", "Lookup and Step calls by how they came: lane, session (gRPC stream) or unary gRPC",
+            ["method", "transport"], registry=self.registry,
+        )
+        self._calls = {(m, t): self.engine_calls.labels(m, t) for m in ("Lookup", "Step") for t in ("lane", "session", "unary")}
+        self.lane_connections = Gauge("kvdepot_lane_connections", "open connections on the lanes", registry=self.registry)
         self._copy = {k: (self.copy_bytes.labels(k), self.copy_seconds.labels(k), self.copy_queued_seconds.labels(k)) for k in ("load", "store")}
         self._ops = {(k, ok): self.op_seconds.labels(k, "ok" if ok else "failed") for k in ("load", "store") for ok in (True, False)}
         self.recovery: Any = _NoRecovery()
         if depot is not None:
             self.registry.register(DepotCollector(depot, mapped_bytes, lambda: self.recovery))
+
+    def engine_call(self, method: str, transport: str) -> None:
+        self._calls[(method, transport)].inc()
 
     def observe_disk(self, op: str, nbytes: int, seconds: float) -> None:
         """A disk job ended (called on a disk thread; prometheus_client is thread-safe)."""

@@ -16,6 +16,8 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import torch
@@ -55,6 +57,8 @@ def block_manager_handlers(service: DepotService) -> grpc.GenericRpcHandler:
         parse = safe_parser(getattr(pb, method.input_type.name), method.name)
         serialize = getattr(pb, method.output_type.name).SerializeToString
         impl = getattr(service, method.name)
+        if method.name in ("Lookup", "Step"):
+            impl = _counted(impl, service.metrics, method.name)
         if method.client_streaming:
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(impl, parse, serialize)
         else:
@@ -64,6 +68,16 @@ def block_manager_handlers(service: DepotService) -> grpc.GenericRpcHandler:
 
 class StartupError(RuntimeError):
     """The daemon cannot start as configured; the message says why."""
+
+
+def _counted(impl: Callable[..., Awaitable[Any]], metrics: Metrics, method: str) -> Callable[..., Awaitable[Any]]:
+    """A unary engine-path call, counted by transport (the lane and the Session stream count theirs)."""
+
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        metrics.engine_call(method, "unary")
+        return await impl(request, context)
+
+    return handler
 
 
 def depot_config(cfg: DaemonConfig) -> DepotConfig:
@@ -174,6 +188,7 @@ class Daemon:
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.lanes = Lanes(self.service.answer, cfg.max_message_mib << 20)
+        self.metrics.lane_connections.set_function(self.lanes.open_connections)
         self.addresses: list[str] = []
         self.metrics_address = ""
         self._metrics_http: object | None = None
@@ -213,7 +228,7 @@ class Daemon:
                 if addr.startswith("unix:"):
                     _prepare_unix(addr + ".lane")
                 try:
-                    await self.lanes.listen(addr)
+                    await self.lanes.listen(addr, self.cfg.lane_port)
                 except OSError as e:
                     raise StartupError(f"cannot open the lane beside {addr}: {e.strerror}") from None
             self.service.lanes = self.lanes.addresses
@@ -236,7 +251,15 @@ class Daemon:
             )
 
     async def run(self) -> None:
-        await self.start()
+        try:
+            await self.start()
+        except StartupError:  # e.g. a lane port that is taken: what did start is stopped first
+            self.lanes.close()
+            if self.server is not None:
+                await self.server.stop(None)
+            if self._metrics_http is not None:
+                self._metrics_http.shutdown()  # type: ignore[attr-defined]
+            raise
         loop = asyncio.get_running_loop()
         def on_signal(sig: signal.Signals) -> None:
             loop.create_task(self.shutdown(sig.name))

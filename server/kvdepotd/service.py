@@ -403,15 +403,17 @@ class DepotService(pb_grpc.BlockManagerServicer):
         finally:
             self._sessions.pop(task, None)
 
-    async def answer(self, req: pb.SessionRequest | BadMessage, context: Any) -> pb.SessionResponse:
+    async def answer(self, req: pb.SessionRequest | BadMessage, context: Any, transport: str = "session") -> pb.SessionResponse:
         """One call of a Session stream or of the lane (kvdepotd.lane), by the unary handler."""
         if isinstance(req, BadMessage):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.what)
             raise AssertionError("unreachable")
         which = req.WhichOneof("call")
         if which == "step":
+            self.metrics.engine_call("Step", transport)
             return pb.SessionResponse(step=await self.Step(req.step, context))
         if which == "lookup":
+            self.metrics.engine_call("Lookup", transport)
             return pb.SessionResponse(lookup=await self.Lookup(req.lookup, context))
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Session: each SessionRequest carries a lookup or a step")
         raise AssertionError("unreachable")

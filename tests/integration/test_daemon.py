@@ -139,15 +139,28 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from kvdepot.testing import free_port
 
     port = free_port()
+    scrape = lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()  # noqa: E731
     with DaemonProcess(args=["--metrics-listen", f"127.0.0.1:{port}"]) as d:
+        # One Lookup on each transport: the lane, the Session stream, a unary call.
         with DepotClient(d.tcp, strict=True, deadline_s=5.0) as c:
             c.register_engine("m", LAYOUT)
             c.lookup("r", list(range(64)))
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert "kvdepot_lookups_total 1.0" in body
+            assert "kvdepot_lane_connections 1.0" in scrape()
+            for kwargs in ({"lane": False}, {"session": False}):
+                with DepotClient(d.tcp, strict=True, deadline_s=5.0, **kwargs) as other:
+                    other.register_engine("m", LAYOUT)
+                    other.lookup("r", list(range(64)))
+        end = time.monotonic() + 5
+        while "kvdepot_lane_connections 0.0" not in (body := scrape()) and time.monotonic() < end:
+            time.sleep(0.05)  # the daemon's loop sees the closed connection on its own time
+    assert "kvdepot_lane_connections 0.0" in body
+    assert "kvdepot_lookups_total 3.0" in body
     assert "kvdepot_checksum_failures_total 0.0" in body  # every counter exists from the start
     assert 'kvdepot_pool_capacity_blocks{layout_class="L2xH2xD8xfloat16xB16xW1",tier="host"}' in body
-    assert 'kvdepot_rpc_duration_seconds_count{method="Lookup"} 1.0' in body
+    assert 'kvdepot_rpc_duration_seconds_count{method="Lookup"} 3.0' in body
+    for transport in ("lane", "session", "unary"):
+        assert f'kvdepot_engine_calls_total{{method="Lookup",transport="{transport}"}} 1.0' in body
+    assert 'kvdepot_engine_calls_total{method="Step",transport="lane"} 0.0' in body
 
 
 def test_host_tier_too_large_is_a_clear_startup_error() -> None:

@@ -19,7 +19,7 @@ import pytest
 from kvdepot import AsyncDepotClient, DepotClient, StepBatch
 from kvdepot.errors import InvalidRequest
 from kvdepot.lane import AsyncLane, Lane, pick
-from kvdepot.testing import DaemonProcess
+from kvdepot.testing import DaemonProcess, free_port
 from kvdepot.v1 import kvdepot_pb2 as pb
 from tests.integration.conftest import LAYOUT
 
@@ -171,6 +171,17 @@ def test_without_a_lane_the_client_stays_on_grpc() -> None:
         c._lane.configure(["127.0.0.1:1"])  # a lane that is not there: gRPC serves, the lane rests
         assert c.step(new_batch("a", list(range(32)))).ops
         assert c._lane._sock is None and c._lane._retry_at > time.monotonic()
+
+
+def test_a_fixed_lane_port_is_where_the_lane_listens_and_a_taken_one_stops_the_start() -> None:
+    port = free_port()
+    with DaemonProcess(args=["--lane-port", str(port)]) as d, DepotClient(d.tcp, strict=True, deadline_s=5.0) as c:
+        c.register_engine("m-lane-port", LAYOUT)
+        assert c._lane._target == ("tcp", "127.0.0.1", port)
+        assert c.step(new_batch("a", list(range(32)))).ops
+        assert c._lane._sock is not None and c._lane._sock.getpeername()[1] == port
+        with pytest.raises(RuntimeError, match="cannot open the lane beside 127.0.0.1:[0-9]+: .*in use"):
+            DaemonProcess(args=["--lane-port", str(port)]).start(timeout_s=30)
 
 
 class ScriptedLane:

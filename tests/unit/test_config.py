@@ -38,6 +38,8 @@ def test_precedence_flags_over_env_over_file(tmp_path) -> None:  # type: ignore[
         (["--log-level", "loud"], {}, "one of"),
         ([], {"KVDEPOT_LEASE_MS": "soon"}, "KVDEPOT_LEASE_MS"),
         (["--eviction-policy", "fifo"], {}, "leaf-lru"),
+        (["--lane-port", "70000"], {}, "--lane-port"),
+        ([], {"KVDEPOT_LANE_PORT": "-1"}, "port in"),
     ],
 )
 def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], words: str) -> None:
