@@ -153,6 +153,11 @@ def test_bad_handles_are_refused(depot: DaemonProcess, tmp_path) -> None:  # typ
     e = send(lambda r: None)
     assert "mode" in e.details()
     os.chmod(paths[0], 0o600)
+    if os.geteuid() == 0:  # another user's file, which a daemon running as root could open: refused
+        os.chown(paths[0], 12345, -1)
+        e = send(lambda r: None)
+        assert e.code() is grpc.StatusCode.INVALID_ARGUMENT and "belongs to uid 12345" in e.details()
+        os.chown(paths[0], 0, -1)
     e = send(lambda r: r.tensors[1].shape.__setitem__(1, 5))
     assert "shape" in e.details()
     e = send(lambda r: setattr(r, "num_blocks", 5))
