@@ -11,7 +11,7 @@ warm-up. Cases, per prompt size:
     ttft_example_connector_ms    vLLM's ExampleConnector after reset_prefix_cache()
 and decode_tps_ratio: output tokens/s of 8 requests generating 256 tokens each, with the connector
 and a running daemon over without the connector (a decode step that completes no block must not
-wait on the daemon). Targets: daemon hit <= 1.5x local hit and >= 5x faster than recompute; cold
+wait on the daemon), the median over --decode-repeat rounds of the two engines back to back. Targets: daemon hit <= 1.5x local hit and >= 5x faster than recompute; cold
 overhead <= 5%; decode_tps_ratio >= 0.95.
 """
 
@@ -195,7 +195,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     res["decode_tps_plain"] = median(plain_tps)
     res["decode_tps_kvdepot"] = median(kv_tps)
-    res["decode_tps_ratio"] = round(statistics.median(kv_tps) / statistics.median(plain_tps), 3)
+    # Each round's two batches ran back to back, so their ratio is free of the VM's slower drifts
+    # (whole runs measured the plain engine anywhere from 316 to 385 tokens/s): the median of the
+    # rounds' ratios, not the ratio of medians taken over the whole minute.
+    pairs = [k / p for k, p in zip(kv_tps, plain_tps)]
+    res["decode_tps_ratios"] = [round(r, 3) for r in pairs]
+    res["decode_tps_ratio"] = round(statistics.median(pairs), 3)
     checks = {}
     for size in map(str, SIZES):
         hit, loc, rec = res["ttft_daemon_hit_ms"][size], res["ttft_local_hit_ms"][size], res["ttft_recompute_ms"][size]
@@ -217,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=5, help="measured runs per case (median); default 5")
-    ap.add_argument("--decode-repeat", type=int, default=3, help="measured decode batches per engine; default 3")
+    ap.add_argument("--decode-repeat", type=int, default=5, help="measured decode rounds (a batch on each engine); default 5")
     ap.add_argument("--sizes", default="2000,3500", help="prompt sizes in tokens; default 2000,3500")
     args = ap.parse_args()
     args.sizes = tuple(int(x) for x in args.sizes.split(","))
