@@ -11,8 +11,9 @@ warm-up. Cases, per prompt size:
     ttft_example_connector_ms    vLLM's ExampleConnector after reset_prefix_cache()
 and decode_tps_ratio: output tokens/s of 8 requests generating 256 tokens each, with the connector
 and a running daemon over without the connector (a decode step that completes no block must not
-wait on the daemon), the median over --decode-repeat rounds of the two engines back to back. Targets: daemon hit <= 1.5x local hit and >= 5x faster than recompute; cold
-overhead <= 5%; decode_tps_ratio >= 0.95.
+wait on the daemon), the median over --decode-repeat rounds of the two engines back to back.
+Targets: daemon hit <= 1.5x local hit and >= 5x faster than recompute; cold overhead <= 5%;
+decode_tps_ratio >= 0.95.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ HELP: dict[str, str] = {
     "max_tokens": "most tokens one request may carry. Default 2097152",
     "max_message_mib": "largest gRPC message accepted, in MiB. Default 64",
     "lane": "also answer the engine path (Lookup, Step) on a plain framed socket beside each listen address "
-    "(unix:PATH.lane; TCP: same host, a port of the system's choosing), told to engines when they register; "
+    "(unix:PATH.lane; TCP: same host, on lane_port), told to engines when they register; "
     "about a third of gRPC's round-trip time. Default true",
     "lane_port": "TCP port of the lane beside each HOST:PORT listen address (a fixed one to publish or let through "
     "a firewall); 0 lets the system pick. Default 0",

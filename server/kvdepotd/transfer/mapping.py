@@ -2,9 +2,9 @@
 contiguous runs (address, bytes) to copy, in host-block order.
 
 Handles are validated before anything is mapped: a cpu_shm path must be a regular file directly
-under /dev/shm that only its owner can read (mode 0600) and that owner must be the daemon's own
-user, the views must fit in their storages, and the shapes must match the engine's layout. A bad handle is INVALID_ARGUMENT, never a crash: every
-address the copy engine will touch is checked here, once.
+under /dev/shm that only its owner can read (mode 0600), owned by the daemon's own user; the views
+must fit in their storages, and the shapes must match the engine's layout. A bad handle is
+INVALID_ARGUMENT, never a crash: every address the copy engine will touch is checked here, once.
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def _open_cpu_shm(h: pb.CpuShmHandle) -> tuple[torch.UntypedStorage, int]:
     if st.st_mode & 0o077:
         raise InvalidRequest(f"cpu_shm path {h.path!r} has mode {oct(st.st_mode & 0o777)}; it must be 0600")
     if st.st_uid != os.geteuid():  # a daemon running as root must not read or write other users' memory
-        raise InvalidRequest(f"cpu_shm path {h.path!r} belongs to uid {st.st_uid}; the daemon runs as uid {os.geteuid()} and maps only its own user's files")
+        raise InvalidRequest(
+            f"cpu_shm path {h.path!r} belongs to uid {st.st_uid}; the daemon runs as uid {os.geteuid()} and maps only its own user's files"
+        )
     if h.size == 0 or h.offset + h.size > st.st_size:
         raise InvalidRequest(f"cpu_shm storage [{h.offset}, {h.offset + h.size}) does not fit the {st.st_size}-byte file {h.path!r}")
     storage = torch.from_file(path, shared=True, size=st.st_size, dtype=torch.uint8).untyped_storage()
