@@ -27,8 +27,9 @@ EXPOSE 50061 50062 9464
 ENV KVDEPOT_LISTEN=0.0.0.0:50061,unix:/run/kvdepot/kvdepotd.sock \
     KVDEPOT_LANE_PORT=50062 \
     KVDEPOT_METRICS_LISTEN=0.0.0.0:9464
+# Health over the Unix socket: plaintext whether or not TCP has TLS (--tls-cert).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
-  CMD ["kvdepotd", "health", "127.0.0.1:50061"]
+  CMD ["kvdepotd", "health", "unix:/run/kvdepot/kvdepotd.sock"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["kvdepotd"]
 CMD ["serve"]

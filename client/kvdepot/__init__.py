@@ -5,6 +5,7 @@ from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFo
 from kvdepot.hashing import BlockHash, block_hashes, salt_hash
 from kvdepot.layout import KvLayout
 from kvdepot.messages import LoadCopied, LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
+from kvdepot.tls import Tls
 
 __all__ = [
     "DEFAULT_ADDRESS",
@@ -23,6 +24,7 @@ __all__ = [
     "RequestReleased",
     "StepBatch",
     "StepResult",
+    "Tls",
     "Unavailable",
     "WorkerLink",
     "block_hashes",

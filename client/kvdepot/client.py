@@ -25,6 +25,7 @@ from kvdepot import messages as m
 from kvdepot.errors import DepotError, NotFound, from_rpc_error
 from kvdepot.lane import AsyncLane, Lane, LocalRpcError
 from kvdepot.layout import KvLayout
+from kvdepot.tls import Tls, channel
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 
@@ -252,17 +253,20 @@ class DepotClient(_ClientCore):
         strict: bool = False,
         session: bool = True,
         lane: bool = True,
+        tls: Tls | None = None,
     ) -> None:
         """Lookups and steps go on the daemon's lane (a plain framed socket, kvdepot.lane) when
         `lane` and the daemon has one, else on one long-lived gRPC stream (rpc Session), which
-        saves gRPC's per-call setup; `session=False` sends each as its own unary call."""
-        super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+        saves gRPC's per-call setup; `session=False` sends each as its own unary call. `tls`
+        (kvdepot.tls.Tls) makes the channel to a TCP address a TLS one; the plaintext lane is
+        then never used. Raises ValueError for TLS files that cannot be read."""
+        super().__init__(address, deadline_s, admin_deadline_s, strict, channel(address, tls, CHANNEL_OPTIONS))
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._workers: list[WorkerLink] = []
         self._session = _Session(self._stub, deadline_s / 4, self._closed)
         self._session.supported = session
-        self._lane = Lane(address, enabled=lane and session)
+        self._lane = Lane(address, enabled=lane and session and tls is None)
 
     # -- engine registration -------------------------------------------------------------------
     def register_engine(
@@ -568,13 +572,14 @@ class AsyncDepotClient(_ClientCore):
         strict: bool = False,
         session: bool = True,
         lane: bool = True,
+        tls: Tls | None = None,
     ) -> None:
-        super().__init__(address, deadline_s, admin_deadline_s, strict, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+        super().__init__(address, deadline_s, admin_deadline_s, strict, channel(address, tls, CHANNEL_OPTIONS, aio=True))
         self._keeper: asyncio.Task[None] | None = None
         self._session: Any = None  # the engine path's stream, as in DepotClient's _Session
         self._session_busy = asyncio.Lock()
         self._session_supported = session
-        self._lane = AsyncLane(address, enabled=lane and session)
+        self._lane = AsyncLane(address, enabled=lane and session and tls is None)
 
     async def register_engine(
         self,

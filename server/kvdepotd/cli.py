@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from kvdepotd import config
+
+if TYPE_CHECKING:
+    from kvdepot.tls import Tls
 
 DESCRIPTION = """kvdepotd: a KV-cache block manager that runs beside LLM inference engines.
 
@@ -25,6 +29,9 @@ def parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if the daemon at ADDR answers SERVING (gRPC health check)")
     health.add_argument("address", nargs="?", default=config.DEFAULT_LISTEN, help=f"HOST:PORT or unix:PATH (default {config.DEFAULT_LISTEN})")
     health.add_argument("--timeout-s", type=float, default=3.0)
+    health.add_argument("--tls-ca", metavar="FILE", default="", help="TLS: the CA that signed the daemon's certificate (PEM)")
+    health.add_argument("--tls-cert", metavar="FILE", default="", help="TLS: this client's certificate, when the daemon asks for one")
+    health.add_argument("--tls-key", metavar="FILE", default="", help="TLS: the key of --tls-cert")
     disk = sub.add_parser("check-disk", help="read every block a disk tier directory lists and check it (run it with the daemon stopped)")
     disk.add_argument("directory")
     return p
@@ -44,11 +51,18 @@ def check_disk(directory: str) -> int:
     return 1 if result["bad"] else 0
 
 
-def health_check(address: str, timeout_s: float) -> int:
+def health_check(address: str, timeout_s: float, tls: Tls | None = None) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    from kvdepot.tls import channel
+
+    try:
+        ch = channel(address, tls, [])
+    except ValueError as e:
+        print(f"kvdepotd: {e}", file=sys.stderr)
+        return 2
+    with ch:
         try:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
         except grpc.RpcError as e:
@@ -65,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["serve", *argv]
     args = parser().parse_args(argv)
     if args.command == "health":
-        return health_check(args.address, args.timeout_s)
+        from kvdepot.tls import Tls
+
+        tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert or args.tls_key else None
+        return health_check(args.address, args.timeout_s, tls)
     if args.command == "check-disk":
         return check_disk(args.directory)
     try:

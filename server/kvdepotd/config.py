@@ -36,6 +36,9 @@ class DaemonConfig:
     max_message_mib: int = 64
     lane: bool = True
     lane_port: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
@@ -76,6 +79,11 @@ HELP: dict[str, str] = {
     "about a third of gRPC's round-trip time. Default true",
     "lane_port": "TCP port of the lane beside each HOST:PORT listen address (a fixed one to publish or let through "
     "a firewall); 0 lets the system pick. Default 0",
+    "tls_cert": "PEM certificate (chain) for TLS on the TCP listen addresses, with --tls-key; Unix sockets stay "
+    "plaintext and TCP lanes are not opened under TLS. Empty (the default): plaintext",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_client_ca": "PEM CA certificates: TLS clients must present a certificate signed by one of them (mutual "
+    "TLS; needs --tls-cert). Empty (the default): no client certificates asked for",
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
@@ -171,6 +179,9 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_message_mib": _positive("max_message_mib", int),
     "lane": _bool,
     "lane_port": _port,
+    "tls_cert": _path,
+    "tls_key": _path,
+    "tls_client_ca": _path,
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),
@@ -222,7 +233,12 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Daemo
     values.update(_parse_source(env_values, "environment", prefix=ENV_PREFIX))
     flag_values = {f.name: getattr(args, f.name) for f in fields(DaemonConfig) if getattr(args, f.name, None) is not None}
     values.update(_parse_source(flag_values, "command line", prefix="--"))
-    return DaemonConfig(**values)
+    cfg = DaemonConfig(**values)
+    if bool(cfg.tls_cert) != bool(cfg.tls_key):
+        raise ConfigError("tls_cert and tls_key go together: TLS needs the certificate and its private key")
+    if cfg.tls_client_ca and not cfg.tls_cert:
+        raise ConfigError("tls_client_ca asks TLS clients for certificates: it needs tls_cert and tls_key")
+    return cfg
 
 
 def _read_toml(path: str) -> dict[str, Any]:

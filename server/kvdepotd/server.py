@@ -203,11 +203,12 @@ class Daemon:
         server.add_generic_rpc_handlers((block_manager_handlers(self.service),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+        creds = self._tls_credentials()
         for addr in self.cfg.listen:
             if addr.startswith("unix:"):
                 _prepare_unix(addr)
             try:
-                port = server.add_insecure_port(addr)
+                port = server.add_insecure_port(addr) if creds is None or addr.startswith("unix:") else server.add_secure_port(addr, creds)
             except RuntimeError as e:
                 raise StartupError(f"cannot listen on {addr}: {e}") from None
             if not addr.startswith("unix:") and addr.endswith(":0"):
@@ -225,6 +226,8 @@ class Daemon:
         self.server = server
         if self.cfg.lane:
             for addr in self.addresses:
+                if creds is not None and not addr.startswith("unix:"):
+                    continue  # the lane is plaintext: under TLS only beside Unix sockets
                 if addr.startswith("unix:"):
                     _prepare_unix(addr + ".lane")
                 try:
@@ -238,7 +241,9 @@ class Daemon:
         gc.set_threshold(*GC_THRESHOLDS)
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("kvdepotd serving on %s%s", ", ".join(self.addresses), f" (lanes {', '.join(self.lanes.addresses)})" if self.lanes.addresses else "")
+        tls = "" if creds is None else (" with TLS on TCP" + (", client certificates required" if self.cfg.tls_client_ca else ""))
+        lanes = f" (lanes {', '.join(self.lanes.addresses)})" if self.lanes.addresses else ""
+        log.info("kvdepotd serving on %s%s%s", ", ".join(self.addresses), tls, lanes)
         log.info(
             "host tier %.2f GiB (%d-MiB slabs, %d copy threads), lease %d ms, op deadline %d ms, metrics %s",
             self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
@@ -249,6 +254,26 @@ class Daemon:
                 self.cfg.disk_gib, self.cfg.disk_dir, self.cfg.disk_policy, self.cfg.disk_admit_after,
                 "O_DIRECT" if self.cfg.disk_direct_io else "buffered", self.cfg.disk_threads,
             )
+
+    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+        cfg = self.cfg
+        if not cfg.tls_cert:
+            return None
+        files = {}
+        for what, path in (("certificate", cfg.tls_cert), ("key", cfg.tls_key), ("client CA", cfg.tls_client_ca)):
+            if not path:
+                continue
+            try:
+                with open(path, "rb") as f:
+                    files[what] = f.read()
+            except OSError as e:
+                raise StartupError(f"TLS: cannot read the {what} file {path}: {e.strerror}") from None
+        try:
+            return grpc.ssl_server_credentials(
+                [(files["key"], files["certificate"])], root_certificates=files.get("client CA"), require_client_auth="client CA" in files
+            )
+        except (RuntimeError, ValueError) as e:
+            raise StartupError(f"TLS: {e}") from None
 
     async def run(self) -> None:
         try:

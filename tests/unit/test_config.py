@@ -40,6 +40,8 @@ def test_precedence_flags_over_env_over_file(tmp_path) -> None:  # type: ignore[
         (["--eviction-policy", "fifo"], {}, "leaf-lru"),
         (["--lane-port", "70000"], {}, "--lane-port"),
         ([], {"KVDEPOT_LANE_PORT": "-1"}, "port in"),
+        (["--tls-cert", "c.pem"], {}, "tls_cert and tls_key go together"),
+        (["--tls-client-ca", "ca.pem"], {}, "needs tls_cert"),
     ],
 )
 def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], words: str) -> None:

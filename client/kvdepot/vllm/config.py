@@ -21,6 +21,9 @@
                         the KV cache is on a GPU (the check is CPU work beside the device copy and
                         the GPU's forward), false on CPU (the check would compete with the forward
                         for the same cores; measured no faster there)
+    tls_ca, tls_cert,   TLS to a daemon on a TCP address (kvdepotd --tls-cert): PEM files of the CA
+    tls_key             that signed its certificate (empty: the system's roots) and, when it asks
+                        for one, this engine's certificate and key. Setting any of them turns TLS on
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from typing import Any
 
 from kvdepot.client import DEFAULT_ADDRESS
 from kvdepot.layout import KvLayout
+from kvdepot.tls import Tls
 
 KEYS = (
     "address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name",
-    "late_load_checks",
+    "late_load_checks", "tls_ca", "tls_cert", "tls_key",
 )
 
 
@@ -49,6 +53,12 @@ class ConnectorConfig:
     keep_fail_policy: bool = False
     engine_name: str = "vllm"
     late_load_checks: str = "auto"
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def tls(self) -> Tls | None:
+        return Tls(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca or self.tls_cert or self.tls_key else None
 
     def late_checks_for(self, layout: KvLayout) -> bool:
         return self.late_load_checks == "true" or (self.late_load_checks == "auto" and layout.kind != "vllm_cpu")
@@ -68,6 +78,10 @@ class ConnectorConfig:
             raise ValueError(f"kvdepot: late_load_checks must be auto, true or false, got {cfg.late_load_checks!r}")
         if not cfg.address:
             raise ValueError("kvdepot: address must name the daemon (HOST:PORT, unix:PATH or unix:///abs/path)")
+        if cfg.tls() is not None and cfg.address.startswith("unix:"):
+            raise ValueError("kvdepot: tls_* keys are for a TCP address; the daemon serves Unix sockets in plaintext")
+        if bool(cfg.tls_cert) != bool(cfg.tls_key):
+            raise ValueError("kvdepot: tls_cert and tls_key go together")
         return cfg
 
 
