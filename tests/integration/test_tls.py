@@ -4,6 +4,7 @@ plaintext with their lane, no plaintext TCP lane is opened, and the health comma
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from kvdepot import DepotClient, StepBatch, Tls
+from kvdepot import AsyncDepotClient, DepotClient, StepBatch, Tls
 from kvdepot.errors import Unavailable
 from kvdepot.testing import DaemonProcess
 from tests.integration.conftest import LAYOUT
@@ -70,6 +71,17 @@ def test_tls_clients_are_served_and_no_plaintext_lane_is_used(tls_daemon: Daemon
         assert [op.kind for op in c.step(batch("a")).ops] == ["store"]
         assert not c.lookup("q", list(range(40))).degraded
     assert health(tls_daemon.tcp, "--tls-ca", pki.ca) == 0
+
+
+def test_the_asyncio_client_speaks_tls_too(tls_daemon: DaemonProcess, pki: Pki) -> None:
+    async def main() -> None:
+        c = AsyncDepotClient(tls_daemon.tcp, strict=True, deadline_s=5.0, tls=Tls(ca=pki.ca))
+        await c.register_engine("m-tls-async", LAYOUT)
+        assert c._lane._target is None
+        assert [op.kind for op in (await c.step(batch("a"))).ops] == ["store"]
+        await c.close()
+
+    asyncio.run(main())
 
 
 def test_plaintext_and_untrusted_clients_are_refused(tls_daemon: DaemonProcess, pki: Pki) -> None:
