@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 import time
 from collections.abc import Awaitable, Callable
@@ -268,12 +269,20 @@ class Daemon:
                     files[what] = f.read()
             except OSError as e:
                 raise StartupError(f"TLS: cannot read the {what} file {path}: {e.strerror}") from None
+        # gRPC takes any bytes and would fail each handshake later: check the PEM files now.
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
-            return grpc.ssl_server_credentials(
-                [(files["key"], files["certificate"])], root_certificates=files.get("client CA"), require_client_auth="client CA" in files
-            )
-        except (RuntimeError, ValueError) as e:
-            raise StartupError(f"TLS: {e}") from None
+            ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        except ssl.SSLError as e:
+            raise StartupError(f"TLS: {cfg.tls_cert} and {cfg.tls_key} are not a PEM certificate and its private key ({e})") from None
+        try:
+            if cfg.tls_client_ca:
+                ctx.load_verify_locations(cfg.tls_client_ca)
+        except ssl.SSLError as e:
+            raise StartupError(f"TLS: {cfg.tls_client_ca} holds no PEM CA certificate ({e})") from None
+        return grpc.ssl_server_credentials(
+            [(files["key"], files["certificate"])], root_certificates=files.get("client CA"), require_client_auth="client CA" in files
+        )
 
     async def run(self) -> None:
         try:

@@ -117,5 +117,7 @@ def test_mutual_tls_asks_for_a_client_certificate(pki: Pki) -> None:
 def test_tls_files_that_cannot_be_read_stop_the_start(pki: Pki, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="TLS: cannot read the certificate file"):
         DaemonProcess(args=["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", pki.key]).start(timeout_s=30)
+    with pytest.raises(RuntimeError, match="are not a PEM certificate and its private key"):  # a key that is not this certificate's, or not PEM at all
+        DaemonProcess(args=["--tls-cert", pki.cert, "--tls-key", pki.ca]).start(timeout_s=30)
     with pytest.raises(ValueError, match="cannot read the ca file"):
         DepotClient("127.0.0.1:1", tls=Tls(ca=str(tmp_path / "missing.pem")))
