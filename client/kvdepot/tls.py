@@ -1,6 +1,6 @@
 """TLS to a daemon reached over TCP (kvdepotd --tls-cert/--tls-key, optionally --tls-client-ca).
 
-    Tls(ca, cert, key)            PEM files: the CA that signed the daemon's certificate (empty:
+    Tls(ca, cert, key), Tls.of()  PEM files: the CA that signed the daemon's certificate (empty:
                                   the system's roots), and this client's certificate and key when
                                   the daemon asks for one (mutual TLS)
     channel(address, tls, aio)    a gRPC channel to `address`, secure when `tls` is given
@@ -23,16 +23,22 @@ class Tls:
     cert: str = ""
     key: str = ""
 
+    @staticmethod
+    def of(ca: str = "", cert: str = "", key: str = "") -> Tls | None:
+        """Settings that name any file turn TLS on; none: None (plaintext)."""
+        return Tls(ca, cert, key) if ca or cert or key else None
+
     def credentials(self) -> grpc.ChannelCredentials:
         """Reads the files now; raises ValueError naming a file that cannot be read."""
         if bool(self.cert) != bool(self.key):
             raise ValueError("TLS: a client certificate and its key go together (cert and key)")
         return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca, "ca"), private_key=_read(self.key, "key"), certificate_chain=_read(self.cert, "cert")
+            root_certificates=read_pem(self.ca, "ca"), private_key=read_pem(self.key, "key"), certificate_chain=read_pem(self.cert, "cert")
         )
 
 
-def _read(path: str, what: str) -> bytes | None:
+def read_pem(path: str, what: str) -> bytes | None:
+    """The file's bytes (None for no path); ValueError naming `what` and the path otherwise."""
     if not path:
         return None
     try:

@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "health":
         from kvdepot.tls import Tls
 
-        tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca or args.tls_cert or args.tls_key else None
-        return health_check(args.address, args.timeout_s, tls)
+        return health_check(args.address, args.timeout_s, Tls.of(args.tls_ca, args.tls_cert, args.tls_key))
     if args.command == "check-disk":
         return check_disk(args.directory)
     try:

@@ -27,6 +27,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from kvdepot.tls import read_pem
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
@@ -260,15 +261,12 @@ class Daemon:
         cfg = self.cfg
         if not cfg.tls_cert:
             return None
-        files = {}
-        for what, path in (("certificate", cfg.tls_cert), ("key", cfg.tls_key), ("client CA", cfg.tls_client_ca)):
-            if not path:
-                continue
-            try:
-                with open(path, "rb") as f:
-                    files[what] = f.read()
-            except OSError as e:
-                raise StartupError(f"TLS: cannot read the {what} file {path}: {e.strerror}") from None
+        try:
+            files = (("certificate", cfg.tls_cert), ("key", cfg.tls_key), ("client CA", cfg.tls_client_ca))
+            cert, key, ca = (read_pem(path, what) for what, path in files)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        assert cert is not None and key is not None
         # gRPC takes any bytes and would fail each handshake later: check the PEM files now.
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
@@ -276,13 +274,11 @@ class Daemon:
         except ssl.SSLError as e:
             raise StartupError(f"TLS: {cfg.tls_cert} and {cfg.tls_key} are not a PEM certificate and its private key ({e})") from None
         try:
-            if cfg.tls_client_ca:
-                ctx.load_verify_locations(cfg.tls_client_ca)
+            if ca is not None:
+                ctx.load_verify_locations(cadata=ca.decode(errors="replace"))
         except ssl.SSLError as e:
             raise StartupError(f"TLS: {cfg.tls_client_ca} holds no PEM CA certificate ({e})") from None
-        return grpc.ssl_server_credentials(
-            [(files["key"], files["certificate"])], root_certificates=files.get("client CA"), require_client_auth="client CA" in files
-        )
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
     async def run(self) -> None:
         try:

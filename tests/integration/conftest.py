@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from kvdepot import DepotClient, KvLayout
+from kvdepot import DepotClient, KvLayout, StepBatch
 from kvdepot.testing import DaemonProcess, FakeEngine
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16)
@@ -18,6 +20,29 @@ def attached_engine(d: DaemonProcess, lay: KvLayout, model: str, strict: bool = 
     for w in e.workers:
         assert w.attached.wait(5)
     return e
+
+
+def drain_with_an_idle_client(what: str, lane: bool) -> DaemonProcess:
+    """SIGTERMs a daemon while a client that has just been answered keeps its lane (or its Session
+    stream) open: the drain must not wait on it, the daemon exits 0 without a traceback, and the
+    client's next Step is a miss. Returns the stopped daemon for checks of its own."""
+    d = DaemonProcess(args=["--drain-grace-s", "10"]).start()
+    with DepotClient(d.tcp, deadline_s=0.5, lane=lane) as c:
+        c.register_engine(f"m-drain-{what}", LAYOUT)
+        b = StepBatch()
+        b.new("r", list(range(32)), [0, 1], computed=0, scheduled=32)
+        assert not c.step(b).degraded
+        assert (c._lane._sock is not None) == lane  # the call went where the caller asked
+        assert d.proc is not None
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(20) == 0
+        assert time.monotonic() - t0 < 5, f"the drain waited on an idle {what}"
+        b = StepBatch()
+        b.new("s", list(range(32)), [0, 1], computed=0, scheduled=32)
+        assert c.step(b).degraded
+    assert "Traceback" not in d.log()
+    return d
 
 
 def close_engine(e: FakeEngine) -> None:

@@ -21,7 +21,7 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.lane import AsyncLane, Lane, pick
 from kvdepot.testing import DaemonProcess, free_port
 from kvdepot.v1 import kvdepot_pb2 as pb
-from tests.integration.conftest import LAYOUT
+from tests.integration.conftest import LAYOUT, drain_with_an_idle_client
 
 pytestmark = pytest.mark.integration
 FRAME = struct.Struct("<I")
@@ -268,15 +268,5 @@ def test_async_client_uses_the_lane_and_a_stalled_daemon_costs_a_call_its_deadli
 
 
 def test_an_open_lane_does_not_hold_the_drain() -> None:
-    d = DaemonProcess(args=["--drain-grace-s", "10"]).start()
-    with DepotClient(d.tcp, deadline_s=0.5) as c:
-        c.register_engine("m-drain", LAYOUT)
-        assert not c.step(new_batch("r", list(range(32)))).degraded and c._lane._sock is not None
-        assert d.proc is not None
-        t0 = time.monotonic()
-        d.proc.send_signal(signal.SIGTERM)
-        assert d.proc.wait(20) == 0
-        assert time.monotonic() - t0 < 5, "the drain waited on an idle lane connection"
-        assert c.step(new_batch("s", list(range(32)))).degraded
-    assert "Traceback" not in d.log()
+    d = drain_with_an_idle_client("lane connection", lane=True)
     assert not os.path.exists(lane_path(d))

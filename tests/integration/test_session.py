@@ -18,7 +18,7 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.testing import DaemonProcess, free_port
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
-from tests.integration.conftest import LAYOUT
+from tests.integration.conftest import LAYOUT, drain_with_an_idle_client
 
 pytestmark = pytest.mark.integration
 
@@ -152,17 +152,7 @@ def test_a_daemon_without_session_is_served_unary() -> None:
 
 
 def test_an_open_session_does_not_hold_the_drain() -> None:
-    d = DaemonProcess(args=["--drain-grace-s", "10"]).start()
-    with DepotClient(d.tcp, deadline_s=0.5, lane=False) as c:
-        c.register_engine("m", LAYOUT)
-        assert not c.step(new_batch("r", list(range(32)))).degraded  # the session stays open
-        assert d.proc is not None
-        t0 = time.monotonic()
-        d.proc.send_signal(signal.SIGTERM)
-        assert d.proc.wait(20) == 0
-        assert time.monotonic() - t0 < 5, "the drain waited on an idle session"
-        assert c.step(new_batch("s", list(range(32)))).degraded
-    assert "Traceback" not in d.log()
+    drain_with_an_idle_client("session", lane=False)
 
 
 def test_the_first_call_after_a_daemon_restart_is_answered() -> None:

@@ -58,7 +58,7 @@ class ConnectorConfig:
     tls_key: str = ""
 
     def tls(self) -> Tls | None:
-        return Tls(self.tls_ca, self.tls_cert, self.tls_key) if self.tls_ca or self.tls_cert or self.tls_key else None
+        return Tls.of(self.tls_ca, self.tls_cert, self.tls_key)
 
     def late_checks_for(self, layout: KvLayout) -> bool:
         return self.late_load_checks == "true" or (self.late_load_checks == "auto" and layout.kind != "vllm_cpu")
