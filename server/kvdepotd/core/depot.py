@@ -221,7 +221,7 @@ class Depot:
         self._staging: dict[BlockHash, list[tuple[Op, int]]] = {}  # block being read from disk -> (load, position) waiting
         self.domains: dict[str, Domain] = {}
         self.engines: dict[EngineId, Engine] = {}
-        self.by_key: dict[str, EngineId] = {}
+        self.by_key: dict[tuple[str, str], EngineId] = {}  # (namespace, engine key): keys are a namespace's own
         self.ops = OpTable(config.first_op_id)
         self.counters: Counter[str] = Counter()
         self._ready: list[tuple[Op, int]] = []
@@ -257,13 +257,12 @@ class Depot:
         if lease_ms < 0 or lease_ms > MAX_LEASE_MS:
             raise InvalidRequest(f"lease_ms must be in [0, {MAX_LEASE_MS}], got {lease_ms}")
         lease = lease_ms or self.config.lease_ms
-        if key and (joined := self.by_key.get(key)) is not None:
+        if key and (joined := self.by_key.get((namespace, key))) is not None:
             eng = self.engines[joined]
-            theirs, ours = (eng.model, eng.layout, eng.namespace, eng.style), (model, layout, namespace, style)
-            if theirs != ours:
+            if (eng.model, eng.layout, eng.style) != (model, layout, style):
                 raise FailedPrecondition(
                     f"engine key {key!r} belongs to engine {eng.engine_id} registered with model {eng.model!r}, "
-                    f"layout {eng.layout}, namespace {eng.namespace!r}, style {eng.style.value}: this registration differs"
+                    f"layout {eng.layout}, style {eng.style.value}: this registration differs"
                 )
             eng.lease_expires_ms = max(eng.lease_expires_ms, now_ms + lease)
             return eng, True
@@ -271,7 +270,7 @@ class Depot:
         eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key, late_load_checks)
         self.engines[engine_id] = eng
         if key:
-            self.by_key[key] = engine_id
+            self.by_key[namespace, key] = engine_id
         self.counters["engines_registered"] += 1
         return eng, False
 
@@ -294,7 +293,7 @@ class Depot:
         self.ops.forget_engine(engine_id)
         del self.engines[engine_id]
         if eng.key:
-            del self.by_key[eng.key]
+            del self.by_key[eng.namespace, eng.key]
         self._events = [e for e in self._events if e.engine_id != engine_id]
         self.counters["engines_unregistered"] += 1
         return released
@@ -796,7 +795,7 @@ class Depot:
             d.registry.check_invariants()
             if d.disk is not None:
                 d.disk.check_invariants()
-        assert self.by_key == {e.key: i for i, e in self.engines.items() if e.key}, "engine keys out of step"
+        assert self.by_key == {(e.namespace, e.key): i for i, e in self.engines.items() if e.key}, "engine keys out of step"
         host_pins: Counter[BlockHash] = Counter()
         disk_pins: Counter[BlockHash] = Counter()
         for eng in self.engines.values():
