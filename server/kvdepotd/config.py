@@ -39,6 +39,7 @@ class DaemonConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    auth_file: str = ""
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
@@ -84,6 +85,9 @@ HELP: dict[str, str] = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM CA certificates: TLS clients must present a certificate signed by one of them (mutual "
     "TLS; needs --tls-cert). Empty (the default): no client certificates asked for",
+    "auth_file": "TOML file of tokens: every call must carry one (metadata 'authorization: Bearer TOKEN'); a "
+    "namespace's token registers and drives engines of that namespace only, an admin token may do everything. "
+    "Re-read on SIGHUP. Empty (the default): no tokens, any caller may do everything (see the README)",
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
@@ -182,6 +186,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "tls_cert": _path,
     "tls_key": _path,
     "tls_client_ca": _path,
+    "auth_file": _path,
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import grpc
 
+from kvdepotd.auth import PermissionDenied, Unauthenticated
 from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
 
 STATUS: dict[type[DepotError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 

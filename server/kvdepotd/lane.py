@@ -11,7 +11,10 @@ Wire format, both ways: frames of a little-endian u32 length, then that many byt
     answer    one byte, the gRPC status code (0 = OK), then a SessionResponse when it is 0,
               or the UTF-8 message of the error otherwise
 A connection answers its requests one at a time, in order, through the gRPC handlers themselves
-(same checks, errors and metrics). A request that is not a valid SessionRequest is answered
+(same checks, errors and metrics). A daemon with tokens (--auth-file) wants a `hello` carrying
+one as a connection's first request: a lane has no metadata, so the connection's later requests
+act for the token of its last accepted hello (checked again on every request, so a token taken
+out of the file on SIGHUP stops working at once). A request that is not a valid SessionRequest is answered
 INVALID_ARGUMENT and the connection stays usable; a frame longer than the message limit is
 answered RESOURCE_EXHAUSTED and the connection is closed.
 
@@ -43,11 +46,15 @@ PARSE = safe_parser(pb.SessionRequest, "Session")  # bad bytes: a BadMessage, an
 
 class LaneContext:
     """What the gRPC handlers use of their context: abort() records the status and ends the
-    handler as grpc.aio's does."""
+    handler as grpc.aio's does; the metadata is the connection's token, as a gRPC call sends it."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str) -> None:
         self.code = grpc.StatusCode.OK
         self.details = ""
+        self.token = token
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", "Bearer " + self.token),) if self.token else ()
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self.code, self.details = code, details
@@ -68,6 +75,7 @@ class LaneConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._busy = False
         self._closing = False
+        self._token = ""  # of the last hello the daemon accepted
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
@@ -111,10 +119,16 @@ class LaneConnection(asyncio.Protocol):
         asyncio.get_running_loop().create_task(self._serve(body))
 
     async def _serve(self, body: bytes) -> None:
-        ctx = LaneContext()
+        req = PARSE(body)
+        hello = isinstance(req, pb.SessionRequest) and req.WhichOneof("call") == "hello"
+        ctx = LaneContext(req.hello.token if hello else self._token)
+        if hello:
+            self._token = ""  # a refused hello leaves the connection with no token
         try:
-            payload = (await self._answer(PARSE(body), ctx, "lane")).SerializeToString()
+            payload = (await self._answer(req, ctx, "lane")).SerializeToString()
             out = FRAME.pack(len(payload) + 1) + b"\0" + payload
+            if hello:
+                self._token = ctx.token
         except grpc.aio.AbortError:
             out = error_frame(ctx.code, ctx.details)
         except Exception:  # the handlers map every error they expect; this is a bug

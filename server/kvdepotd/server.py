@@ -29,6 +29,7 @@ from prometheus_client import start_http_server
 
 from kvdepot.tls import read_pem
 from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepotd.auth import AuthError, Tokens
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
 from kvdepotd.lane import Lanes, unix_path
@@ -163,6 +164,7 @@ def recover_disk(depot: Depot, store: DiskStore) -> Recovery:
 class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
+        tokens = self._load_tokens()
         self.depot = Depot(depot_config(cfg))
         try:
             self.arena = HostArena(cfg.host_bytes)
@@ -177,6 +179,7 @@ class Daemon:
         if faults.load_delay_ms or faults.corrupt_loads:
             log.warning("fault injection on: loads wait %d ms; the next %d loaded blocks are corrupted", faults.load_delay_ms, faults.corrupt_loads)
         self.service = DepotService(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, faults=faults)
+        self.service.auth = tokens
         self.recovery = Recovery()
         if cfg.disk_dir:
             try:
@@ -246,6 +249,9 @@ class Daemon:
         tls = "" if creds is None else (" with TLS on TCP" + (", client certificates required" if self.cfg.tls_client_ca else ""))
         lanes = f" (lanes {', '.join(self.lanes.addresses)})" if self.lanes.addresses else ""
         log.info("kvdepotd serving on %s%s%s", ", ".join(self.addresses), tls, lanes)
+        self._log_tokens(self.service.auth)
+        if self.service.auth is not None and creds is None and any(not a.startswith("unix:") for a in self.addresses):
+            log.warning("tokens travel in plaintext on the TCP addresses: anyone on the network path can read them (use --tls-cert)")
         log.info(
             "host tier %.2f GiB (%d-MiB slabs, %d copy threads), lease %d ms, op deadline %d ms, metrics %s",
             self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
@@ -256,6 +262,37 @@ class Daemon:
                 self.cfg.disk_gib, self.cfg.disk_dir, self.cfg.disk_policy, self.cfg.disk_admit_after,
                 "O_DIRECT" if self.cfg.disk_direct_io else "buffered", self.cfg.disk_threads,
             )
+
+    def _load_tokens(self) -> Tokens | None:
+        path = self.cfg.auth_file
+        if not path:
+            return None
+        try:
+            tokens = Tokens.load(path)
+        except AuthError as e:
+            raise StartupError(str(e)) from None
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mode & 0o077:
+                log.warning("the tokens file %s can be read by other users (chmod 600 it)", path)
+        return tokens
+
+    @staticmethod
+    def _log_tokens(tokens: Tokens | None) -> None:
+        if tokens is not None:
+            names = ", ".join(repr(n) for n in sorted(tokens.namespaces)) or "none"
+            log.info("tokens required: %d from %s (namespaces %s; %d admin)", len(tokens), tokens.source, names, tokens.admin_tokens)
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: the tokens file again; a file that is now wrong keeps the tokens in force."""
+        if not self.cfg.auth_file:
+            log.info("SIGHUP: no tokens file to re-read (--auth-file is not set)")
+            return
+        try:
+            self.service.auth = Tokens.load(self.cfg.auth_file)
+        except AuthError as e:
+            log.error("SIGHUP: %s; the tokens in force stay", e)
+            return
+        self._log_tokens(self.service.auth)
 
     def _tls_credentials(self) -> grpc.ServerCredentials | None:
         cfg = self.cfg
@@ -297,6 +334,8 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, on_signal, sig)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, self.reload_tokens)
         await self._stopped.wait()
 
     async def shutdown(self, why: str = "shutdown") -> None:

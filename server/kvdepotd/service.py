@@ -23,7 +23,8 @@ import grpc
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
-from kvdepotd.core.depot import Depot, LoadCopied, OpCompleted
+from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens
+from kvdepotd.core.depot import Depot, Engine, LoadCopied, OpCompleted
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.errors import status_of
@@ -118,6 +119,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._sessions: dict[asyncio.Task[Any], bool] = {}
         self._closing = False
         self.lanes: list[str] = []  # the lane addresses (kvdepotd.lane), told to engines as they register
+        self.auth: Tokens | None = None  # None: no tokens asked for, every caller may do everything
         self._stop_populating = threading.Event()
 
     @staticmethod
@@ -261,17 +263,39 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if eng is not None:
             eng.lease_expires_ms = self.now_ms() + eng.lease_ms
 
+    # -- who calls ---------------------------------------------------------------------------------
+    def caller(self, context: Any) -> Caller:
+        """Whom the call's token speaks for (a lane's context gives the token of its hello)."""
+        auth = self.auth
+        return OPEN if auth is None else auth.caller(context.invocation_metadata())
+
+    def own_engine(self, context: Any, engine_id: EngineId) -> Engine:
+        """The engine, when the caller may drive it (NotFound for an unknown one, as before)."""
+        eng = self.depot.engine(engine_id)
+        if self.auth is not None and not (c := self.caller(context)).may_use(eng.namespace):
+            raise PermissionDenied(f"engine {engine_id} is not in the namespace of the call's token ({c.describe()})")
+        return eng
+
+    @rpc
+    async def WhoAmI(self, request: pb.WhoAmIRequest, context: grpc.aio.ServicerContext) -> pb.WhoAmIResponse:
+        c = self.caller(context)
+        return pb.WhoAmIResponse(tokens_required=self.auth is not None, namespace=c.namespace, admin=c.admin)
+
     # -- engines ----------------------------------------------------------------------------------
     @rpc
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.RegisterEngineResponse:
         if not request.HasField("layout"):
             raise InvalidRequest("layout is required")
+        caller = self.caller(context)
+        namespace = request.namespace if caller.admin else caller.namespace
+        if request.namespace and request.namespace != namespace:  # empty: the token's namespace
+            raise PermissionDenied(f"namespace {request.namespace!r} is not the namespace of the call's token ({caller.describe()})")
         eng, joined = self.depot.register_engine(
             EngineId(f"eng-{uuid.uuid4().hex[:12]}"),
             name=request.engine_name,
             model=request.model,
             layout=convert.layout_from_pb(request.layout),
-            namespace=request.namespace,
+            namespace=namespace,
             style=convert.style_from_pb(request.update_style),
             lease_ms=request.lease_ms,
             now_ms=self.now_ms(),
@@ -298,11 +322,12 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     @rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
-        return pb.HeartbeatResponse(lease_expires_unix_ms=self.depot.heartbeat(EngineId(request.engine_id), self.now_ms()))
+        engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
+        return pb.HeartbeatResponse(lease_expires_unix_ms=self.depot.heartbeat(engine_id, self.now_ms()))
 
     @rpc
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
-        engine_id = EngineId(request.engine_id)
+        engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
         released = self.depot.unregister_engine(engine_id)
         self._close_engine(engine_id, "engine unregistered")
         self._pump()
@@ -311,7 +336,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     @rpc
     async def RegisterKvCaches(self, request: pb.RegisterKvCachesRequest, context: grpc.aio.ServicerContext) -> pb.RegisterKvCachesResponse:
-        engine_id = EngineId(request.engine_id)
+        engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
         eng = self.depot.engine_rank(engine_id, request.rank)
         # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
         mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, request)
@@ -341,6 +366,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         engine_id = EngineId(request.engine_id)
+        if self.auth is not None:
+            self.own_engine(context, engine_id)
         res = self.depot.lookup(
             engine_id,
             RequestId(request.request_id),
@@ -363,6 +390,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
     @rpc
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         engine_id = EngineId(request.engine_id)
+        if self.auth is not None:
+            self.own_engine(context, engine_id)
         plan = self.depot.step(
             engine_id,
             request.step,
@@ -415,7 +444,9 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if which == "lookup":
             self.metrics.engine_call("Lookup", transport)
             return pb.SessionResponse(lookup=await self.Lookup(req.lookup, context))
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Session: each SessionRequest carries a lookup or a step")
+        if which == "hello":
+            return pb.SessionResponse(hello=await self.WhoAmI(pb.WhoAmIRequest(), context))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Session: each SessionRequest carries a lookup, a step or a hello")
         raise AssertionError("unreachable")
 
     async def WorkerStream(
@@ -426,7 +457,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             first = await it.__anext__()
         except StopAsyncIteration:
             return
-        key, err = self._attach(first)
+        key, err = self._attach(first, context)
         if err is not None:
             await context.abort(*err)
             return
@@ -454,13 +485,14 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if ch.closed is not None:
             await context.abort(*ch.closed)
 
-    def _attach(self, first: pb.WorkerMessage) -> tuple[tuple[EngineId, int], tuple[grpc.StatusCode, str] | None]:
+    def _attach(self, first: pb.WorkerMessage, context: Any) -> tuple[tuple[EngineId, int], tuple[grpc.StatusCode, str] | None]:
         if isinstance(first, BadMessage):
             return (EngineId(""), 0), (grpc.StatusCode.INVALID_ARGUMENT, first.what)
         if first.WhichOneof("msg") != "attach":
             return (EngineId(""), 0), (grpc.StatusCode.INVALID_ARGUMENT, "the first message on a worker stream must be attach")
         engine_id, rank = EngineId(first.attach.engine_id), first.attach.rank
         try:
+            self.own_engine(context, engine_id)
             self.depot.engine_rank(engine_id, rank)
         except DepotError as e:
             return (engine_id, rank), (status_of(e), str(e))
@@ -492,6 +524,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
     # -- inspection and admin ---------------------------------------------------------------------
     @rpc
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        self.caller(context)  # any known token: the figures name no engine or request
         d = self.depot
         pools = []
         for dom in d.domains.values():
@@ -529,25 +562,29 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     @rpc
     async def ListEngines(self, request: pb.ListEnginesRequest, context: grpc.aio.ServicerContext) -> pb.ListEnginesResponse:
+        caller = self.caller(context)
         return pb.ListEnginesResponse(
             engines=[
                 convert.engine_info(e, sorted(r for (eid, r) in self.channels if eid == e.engine_id))
                 for e in self.depot.engines.values()
+                if caller.may_use(e.namespace)
             ]
         )
 
     @rpc
     async def ListSlots(self, request: pb.ListSlotsRequest, context: grpc.aio.ServicerContext) -> pb.ListSlotsResponse:
-        eng = self.depot.engine(EngineId(request.engine_id))
+        eng = self.own_engine(context, EngineId(request.engine_id))
         return pb.ListSlotsResponse(slots=[convert.slot_summary(s) for s in eng.slots.values()])
 
     @rpc
     async def GetSlot(self, request: pb.GetSlotRequest, context: grpc.aio.ServicerContext) -> pb.GetSlotResponse:
+        self.own_engine(context, EngineId(request.engine_id))
         slot = self.depot.slot(EngineId(request.engine_id), RequestId(request.request_id))
         return pb.GetSlotResponse(summary=convert.slot_summary(slot), blocks=convert.slot_blocks(slot))
 
     @rpc
     async def GetBlock(self, request: pb.GetBlockRequest, context: grpc.aio.ServicerContext) -> pb.GetBlockResponse:
+        self.own_engine(context, EngineId(request.engine_id))
         host, disk = self.depot.block_info(EngineId(request.engine_id), request.hash)  # type: ignore[arg-type]
         e = host or disk
         if e is None:
@@ -565,6 +602,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     @rpc
     async def Clear(self, request: pb.ClearRequest, context: grpc.aio.ServicerContext) -> pb.ClearResponse:
+        if not self.caller(context).admin:
+            raise PermissionDenied("Clear drops the blocks of every namespace: it needs an admin token")
         tier = request.tier
         if tier not in (pb.TIER_UNSPECIFIED, pb.TIER_HOST, pb.TIER_DISK):
             raise InvalidRequest(f"tier {tier} is not a tier")

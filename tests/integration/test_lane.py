@@ -85,7 +85,7 @@ def test_bad_frames_get_clear_errors_and_the_daemon_serves_on(daemon: DaemonProc
         code, msg = raw_call(s, b"\xff\xff\xff")  # not protobuf
         assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"not a valid kvdepot.v1.SessionRequest" in msg
         code, msg = raw_call(s, b"")  # an empty SessionRequest
-        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"lookup or a step" in msg
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"a lookup, a step or a hello" in msg
         req = pb.SessionRequest(lookup=pb.LookupRequest(engine_id="nobody", request_id="x", tokens=[1, 2]))
         code, msg = raw_call(s, req.SerializeToString())
         assert code == grpc.StatusCode.NOT_FOUND.value[0] and b"nobody" in msg

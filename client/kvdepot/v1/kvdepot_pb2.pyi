@@ -304,20 +304,30 @@ class StepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., delay_free: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("lookup", "step")
+    __slots__ = ("lookup", "step", "hello")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupRequest
     step: StepRequest
-    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ...) -> None: ...
+    hello: Hello
+    def __init__(self, lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., step: _Optional[_Union[StepRequest, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("token",)
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("lookup", "step")
+    __slots__ = ("lookup", "step", "hello")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupResponse
     step: StepResponse
-    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ...) -> None: ...
+    hello: WhoAmIResponse
+    def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ..., hello: _Optional[_Union[WhoAmIResponse, _Mapping]] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("attach", "forward_done")
@@ -573,3 +583,17 @@ class ClearResponse(_message.Message):
     dropped_blocks: int
     kept_blocks: int
     def __init__(self, dropped_blocks: _Optional[int] = ..., kept_blocks: _Optional[int] = ...) -> None: ...
+
+class WhoAmIRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WhoAmIResponse(_message.Message):
+    __slots__ = ("tokens_required", "namespace", "admin")
+    TOKENS_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    tokens_required: bool
+    namespace: str
+    admin: bool
+    def __init__(self, tokens_required: _Optional[bool] = ..., namespace: _Optional[str] = ..., admin: _Optional[bool] = ...) -> None: ...

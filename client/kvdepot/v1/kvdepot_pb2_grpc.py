@@ -104,6 +104,11 @@ class BlockManagerStub:
                 request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.ClearRequest.SerializeToString,
                 response_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.ClearResponse.FromString,
                 _registered_method=True)
+        self.WhoAmI = channel.unary_unary(
+                '/kvdepot.v1.BlockManager/WhoAmI',
+                request_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.WhoAmIRequest.SerializeToString,
+                response_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.WhoAmIResponse.FromString,
+                _registered_method=True)
 
 
 class BlockManagerServicer:
@@ -206,6 +211,14 @@ class BlockManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WhoAmI(self, request, context):
+        """Whom the caller's token speaks for (kvdepotd --auth-file): a token goes in every call's
+        metadata as "authorization: Bearer TOKEN"; an unknown or missing one is UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BlockManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -278,6 +291,11 @@ def add_BlockManagerServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.ClearRequest.FromString,
                     response_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.ClearResponse.SerializeToString,
+            ),
+            'WhoAmI': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhoAmI,
+                    request_deserializer=kvdepot_dot_v1_dot_kvdepot__pb2.WhoAmIRequest.FromString,
+                    response_serializer=kvdepot_dot_v1_dot_kvdepot__pb2.WhoAmIResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -658,6 +676,33 @@ class BlockManager:
             '/kvdepot.v1.BlockManager/Clear',
             kvdepot_dot_v1_dot_kvdepot__pb2.ClearRequest.SerializeToString,
             kvdepot_dot_v1_dot_kvdepot__pb2.ClearResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhoAmI(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdepot.v1.BlockManager/WhoAmI',
+            kvdepot_dot_v1_dot_kvdepot__pb2.WhoAmIRequest.SerializeToString,
+            kvdepot_dot_v1_dot_kvdepot__pb2.WhoAmIResponse.FromString,
             options,
             channel_credentials,
             insecure,
