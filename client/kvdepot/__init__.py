@@ -1,7 +1,8 @@
 """kvdepot: the engine-side client of the kvdepotd KV-cache block manager."""
 
 from kvdepot.client import DEFAULT_ADDRESS, AsyncDepotClient, DepotClient, WorkerLink
-from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, Unavailable
+from kvdepot.auth import read_token
+from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from kvdepot.hashing import BlockHash, block_hashes, salt_hash
 from kvdepot.layout import KvLayout
 from kvdepot.messages import LoadCopied, LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
@@ -21,12 +22,15 @@ __all__ = [
     "NotFound",
     "OpCompleted",
     "OpInfo",
+    "PermissionDenied",
     "RequestReleased",
     "StepBatch",
     "StepResult",
     "Tls",
+    "Unauthenticated",
     "Unavailable",
     "WorkerLink",
     "block_hashes",
+    "read_token",
     "salt_hash",
 ]

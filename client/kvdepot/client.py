@@ -254,19 +254,22 @@ class DepotClient(_ClientCore):
         session: bool = True,
         lane: bool = True,
         tls: Tls | None = None,
+        token: str = "",
     ) -> None:
         """Lookups and steps go on the daemon's lane (a plain framed socket, kvdepot.lane) when
         `lane` and the daemon has one, else on one long-lived gRPC stream (rpc Session), which
         saves gRPC's per-call setup; `session=False` sends each as its own unary call. `tls`
         (kvdepot.tls.Tls) makes the channel to a TCP address a TLS one; the plaintext lane is
-        then never used. Raises ValueError for TLS files that cannot be read."""
-        super().__init__(address, deadline_s, admin_deadline_s, strict, channel(address, tls, CHANNEL_OPTIONS))
+        then never used. `token`: for a daemon that asks for one (kvdepotd --auth-file; see
+        kvdepot.auth.read_token); every call carries it. Raises ValueError for TLS files that
+        cannot be read."""
+        super().__init__(address, deadline_s, admin_deadline_s, strict, channel(address, tls, CHANNEL_OPTIONS, token=token))
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._workers: list[WorkerLink] = []
         self._session = _Session(self._stub, deadline_s / 4, self._closed)
         self._session.supported = session
-        self._lane = Lane(address, enabled=lane and session and tls is None)
+        self._lane = Lane(address, enabled=lane and session and tls is None, token=token)
 
     # -- engine registration -------------------------------------------------------------------
     def register_engine(
@@ -395,6 +398,10 @@ class DepotClient(_ClientCore):
 
     def stats(self) -> pb.GetStatsResponse:
         return self._admin("GetStats", pb.GetStatsRequest())
+
+    def who_am_i(self) -> pb.WhoAmIResponse:
+        """Whether the daemon asks for tokens, and the namespace (or admin) this client's token is for."""
+        return self._admin("WhoAmI", pb.WhoAmIRequest())
 
     def engines(self) -> list[pb.EngineInfo]:
         return list(self._admin("ListEngines", pb.ListEnginesRequest()).engines)
@@ -573,13 +580,14 @@ class AsyncDepotClient(_ClientCore):
         session: bool = True,
         lane: bool = True,
         tls: Tls | None = None,
+        token: str = "",
     ) -> None:
-        super().__init__(address, deadline_s, admin_deadline_s, strict, channel(address, tls, CHANNEL_OPTIONS, aio=True))
+        super().__init__(address, deadline_s, admin_deadline_s, strict, channel(address, tls, CHANNEL_OPTIONS, aio=True, token=token))
         self._keeper: asyncio.Task[None] | None = None
         self._session: Any = None  # the engine path's stream, as in DepotClient's _Session
         self._session_busy = asyncio.Lock()
         self._session_supported = session
-        self._lane = AsyncLane(address, enabled=lane and session and tls is None)
+        self._lane = AsyncLane(address, enabled=lane and session and tls is None, token=token)
 
     async def register_engine(
         self,
@@ -728,6 +736,9 @@ class AsyncDepotClient(_ClientCore):
 
     async def stats(self) -> pb.GetStatsResponse:
         return await self._admin("GetStats", pb.GetStatsRequest())
+
+    async def who_am_i(self) -> pb.WhoAmIResponse:
+        return await self._admin("WhoAmI", pb.WhoAmIRequest())
 
     async def engines(self) -> list[pb.EngineInfo]:
         return list((await self._admin("ListEngines", pb.ListEnginesRequest())).engines)

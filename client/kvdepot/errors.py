@@ -23,6 +23,18 @@ class FailedPrecondition(DepotError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class Unauthenticated(DepotError):
+    """The daemon asks for a token and got none, or one it does not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(DepotError):
+    """The token does not allow this (another namespace's engine, Clear without an admin token)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unavailable(DepotError):
     """The daemon did not answer in time or is not running: for the engine, a cache miss."""
 
@@ -35,6 +47,8 @@ _BY_CODE: dict[grpc.StatusCode, type[DepotError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
     grpc.StatusCode.CANCELLED: Unavailable,

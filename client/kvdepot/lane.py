@@ -6,6 +6,9 @@ thread hand-offs, which is where gRPC's round trip spends its time on a small ma
     Lane.call(req, timeout_s)   the answer; None when the lane cannot be used now (the caller goes
                                 over gRPC); raises grpc.RpcError (LocalRpcError) otherwise
     AsyncLane                   the same for asyncio
+
+With a token, each new connection first sends a hello carrying it (a lane has no metadata); a
+refused hello fails the call with the daemon's status, as the gRPC call would.
 """
 
 from __future__ import annotations
@@ -83,8 +86,9 @@ class _LaneBase:
     lane rests: a daemon that is down fails there too, within the deadline, and one whose lane
     alone is out keeps its engine served."""
 
-    def __init__(self, address: str, enabled: bool = True) -> None:
+    def __init__(self, address: str, enabled: bool = True, token: str = "") -> None:
         self._address = address
+        self._hello = request_frame(pb.SessionRequest(hello=pb.Hello(token=token))) if token else b""
         self._target: Target | None = None
         self._retry_at = 0.0  # after a failed connect, the lane rests until then
         self._backoff_s = 0.0
@@ -128,8 +132,8 @@ def request_frame(req: pb.SessionRequest) -> bytes:
 class Lane(_LaneBase):
     """For DepotClient: a blocking socket used from the caller's thread."""
 
-    def __init__(self, address: str, enabled: bool = True) -> None:
-        super().__init__(address, enabled)
+    def __init__(self, address: str, enabled: bool = True, token: str = "") -> None:
+        super().__init__(address, enabled, token)
         self._sock: socket.socket | None = None
         self._busy = threading.Lock()  # held by the one call in flight
 
@@ -149,6 +153,8 @@ class Lane(_LaneBase):
                 if not reused and not self._connect(deadline):
                     return None
                 try:
+                    if not reused and self._hello:
+                        self._greet(deadline, timeout_s)
                     return self._round_trip(frame, deadline, timeout_s)
                 except LocalRpcError as e:
                     if not self._send_again(e, reused, deadline):
@@ -185,6 +191,14 @@ class Lane(_LaneBase):
             return False
         self._sock = sock
         return True
+
+    def _greet(self, deadline: float, timeout_s: float) -> None:
+        """The hello of a new connection; one the daemon refuses is not kept."""
+        try:
+            self._round_trip(self._hello, deadline, timeout_s)
+        except LocalRpcError:
+            self._drop()
+            raise
 
     def _round_trip(self, frame: bytes, deadline: float, timeout_s: float) -> pb.SessionResponse:
         sock = self._sock
@@ -223,8 +237,8 @@ class Lane(_LaneBase):
 class AsyncLane(_LaneBase):
     """For AsyncDepotClient: asyncio streams, the same decisions."""
 
-    def __init__(self, address: str, enabled: bool = True) -> None:
-        super().__init__(address, enabled)
+    def __init__(self, address: str, enabled: bool = True, token: str = "") -> None:
+        super().__init__(address, enabled, token)
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._busy = asyncio.Lock()
 
@@ -243,6 +257,8 @@ class AsyncLane(_LaneBase):
                 if not reused and not await self._connect(deadline):
                     return None
                 try:
+                    if not reused and self._hello:
+                        await self._greet(deadline, timeout_s)
                     return await self._round_trip(frame, deadline, timeout_s)
                 except LocalRpcError as e:
                     if not self._send_again(e, reused, deadline):
@@ -265,6 +281,13 @@ class AsyncLane(_LaneBase):
             self._rest(e if isinstance(e, OSError) else "no connection within the deadline")
             return False
         return True
+
+    async def _greet(self, deadline: float, timeout_s: float) -> None:
+        try:
+            await self._round_trip(self._hello, deadline, timeout_s)
+        except LocalRpcError:
+            self._drop()
+            raise
 
     async def _round_trip(self, frame: bytes, deadline: float, timeout_s: float) -> pb.SessionResponse:
         assert self._conn is not None

@@ -3,7 +3,9 @@
     Tls(ca, cert, key), Tls.of()  PEM files: the CA that signed the daemon's certificate (empty:
                                   the system's roots), and this client's certificate and key when
                                   the daemon asks for one (mutual TLS)
-    channel(address, tls, aio)    a gRPC channel to `address`, secure when `tls` is given
+    channel(address, tls, options, aio, token)
+                                  a gRPC channel to `address`, secure when `tls` is given, every
+                                  call carrying `token` when one is (kvdepot.auth)
 
 Unix sockets stay plaintext on both sides: who may connect is the socket file's permission. Under
 TLS the daemon opens no TCP lane, so a TLS client's engine path goes over gRPC.
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from kvdepot.auth import interceptors
 
 
 @dataclass(frozen=True)
@@ -48,10 +52,14 @@ def read_pem(path: str, what: str) -> bytes | None:
         raise ValueError(f"TLS: cannot read the {what} file {path}: {e.strerror}") from None
 
 
-def channel(address: str, tls: Tls | None, options: list[tuple[str, Any]], aio: bool = False) -> Any:
-    if tls is None:
-        return grpc.aio.insecure_channel(address, options=options) if aio else grpc.insecure_channel(address, options=options)
-    if address.startswith("unix:"):
+def channel(address: str, tls: Tls | None, options: list[tuple[str, Any]], aio: bool = False, token: str = "") -> Any:
+    if tls is not None and address.startswith("unix:"):
         raise ValueError(f"TLS is for TCP addresses; {address} is a Unix socket, which the daemon serves in plaintext")
-    creds = tls.credentials()
-    return grpc.aio.secure_channel(address, creds, options=options) if aio else grpc.secure_channel(address, creds, options=options)
+    creds = tls.credentials() if tls is not None else None
+    if aio:
+        extra = interceptors(token, aio=True) if token else None
+        if creds is None:
+            return grpc.aio.insecure_channel(address, options=options, interceptors=extra)
+        return grpc.aio.secure_channel(address, creds, options=options, interceptors=extra)
+    ch = grpc.insecure_channel(address, options=options) if creds is None else grpc.secure_channel(address, creds, options=options)
+    return grpc.intercept_channel(ch, *interceptors(token)) if token else ch
