@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvdepot.layout import KvLayout
@@ -15,6 +17,22 @@ def test_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVDEPOT_ADDRESS", "unix:/run/kvdepot/kvdepotd.sock")
     assert ConnectorConfig.from_extra({}).address == "unix:/run/kvdepot/kvdepotd.sock"
     assert ConnectorConfig.from_extra({"address": "unix:///tmp/x.sock"}).address == "unix:///tmp/x.sock"
+
+
+def test_the_token_comes_from_a_file_or_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for var in ("KVDEPOT_TOKEN", "KVDEPOT_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    assert ConnectorConfig.from_extra({}).token == ""
+    monkeypatch.setenv("KVDEPOT_TOKEN", "from-env-0123456789")
+    assert ConnectorConfig.from_extra({}).token == "from-env-0123456789"
+    f = tmp_path / "token"
+    f.write_text("from-file-0123456789\n")
+    cfg = ConnectorConfig.from_extra({"token_file": str(f)})
+    assert cfg.token == "from-file-0123456789" and "from-file" not in repr(cfg)  # never in a log line
+    monkeypatch.setenv("KVDEPOT_TOKEN_FILE", str(f))
+    assert ConnectorConfig.from_extra({}).token == "from-file-0123456789"
+    with pytest.raises(ValueError, match="kvdepot: cannot read the token file"):
+        ConnectorConfig.from_extra({"token_file": str(tmp_path / "missing")})
 
 
 def test_values_are_coerced_from_json_and_cli_strings() -> None:

@@ -1,7 +1,9 @@
 """vLLM's OpenAI server with the connector, in vLLM's default multiprocess topology (API server,
 EngineCore with the scheduler connector, a worker process with the worker connector), configured
 only through --kv-transfer-config on the command line. Two completions of one prompt, the vLLM
-prefix cache reset between them: the second is served by the daemon with the same text."""
+prefix cache reset between them: the second is served by the daemon with the same text. The
+daemon asks for tokens (--auth-file): the scheduler and the worker process each present theirs,
+read from the connector's token_file, and the engine lands in the token's namespace."""
 
 from __future__ import annotations
 
@@ -31,13 +33,18 @@ def post(url: str, body: dict[str, Any] | None = None) -> Any:
     return json.loads(text) if text else None
 
 
+ADMIN, TEAM = "admin-token-0123456789", "team-a-token-0123456789"
+
+
 def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_path: Any) -> None:
-    with DaemonProcess(args=["--host-gib", "0.25"]) as d:
+    (tmp_path / "tokens.toml").write_text(f'admin = "{ADMIN}"\n[namespaces]\nteam-a = "{TEAM}"\n')
+    (tmp_path / "team-a.token").write_text(TEAM + "\n")
+    with DaemonProcess(args=["--host-gib", "0.25", "--auth-file", str(tmp_path / "tokens.toml")]) as d:
         port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables POST /reset_prefix_cache
         kv = {"kv_connector": "KvDepotConnector", "kv_connector_module_path": "kvdepot.vllm", "kv_role": "kv_both",
-              "kv_connector_extra_config": {"address": "unix://" + d.unix[len("unix:"):]}}
+              "kv_connector_extra_config": {"address": "unix://" + d.unix[len("unix:"):], "token_file": str(tmp_path / "team-a.token")}}
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
             "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--block-size", str(BLOCK),
@@ -60,7 +67,7 @@ def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_pat
                 time.sleep(0.5)
             body = {"model": model_dir, "prompt": P, "max_tokens": 8, "temperature": 0}
             first = post(base + "/v1/completions", body)
-            with DepotClient(d.tcp, strict=True) as c:
+            with DepotClient(d.tcp, strict=True, token=ADMIN) as c:
                 # vLLM frees the request's blocks only once the daemon released it (its stores ended),
                 # and a reset while they are held does nothing: wait for the release first.
                 deadline = time.monotonic() + 30
@@ -76,6 +83,7 @@ def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_pat
             assert after["loaded_blocks"] - before["loaded_blocks"] == 3  # P's three full blocks
             assert before["stored_blocks"] == 3
             assert len(engines) == 1  # EngineCore and the worker joined one engine by its key
+            assert engines[0].namespace == "team-a"
         finally:
             server.terminate()
             try:

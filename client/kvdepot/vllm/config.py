@@ -24,21 +24,25 @@
     tls_ca, tls_cert,   TLS to a daemon on a TCP address (kvdepotd --tls-cert): PEM files of the CA
     tls_key             that signed its certificate (empty: the system's roots) and, when it asks
                         for one, this engine's certificate and key. Setting any of them turns TLS on
+    token_file          a file holding the token, for a daemon that asks for one (kvdepotd
+                        --auth-file); default $KVDEPOT_TOKEN_FILE, else the token itself from
+                        $KVDEPOT_TOKEN, else none. (Not the token in this config: vLLM logs it.)
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvdepot.auth import read_token
 from kvdepot.client import DEFAULT_ADDRESS
 from kvdepot.layout import KvLayout
 from kvdepot.tls import Tls
 
 KEYS = (
     "address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name",
-    "late_load_checks", "tls_ca", "tls_cert", "tls_key",
+    "late_load_checks", "tls_ca", "tls_cert", "tls_key", "token_file",
 )
 
 
@@ -56,6 +60,8 @@ class ConnectorConfig:
     tls_ca: str = ""
     tls_cert: str = ""
     tls_key: str = ""
+    token_file: str = ""
+    token: str = field(default="", repr=False)  # read from token_file or $KVDEPOT_TOKEN at start-up
 
     def tls(self) -> Tls | None:
         return Tls.of(self.tls_ca, self.tls_cert, self.tls_key)
@@ -70,9 +76,13 @@ class ConnectorConfig:
         unknown = sorted(set(extra) - set(KEYS))
         if unknown:
             raise ValueError(f"kvdepot: unknown kv_connector_extra_config keys {unknown}; known: {list(KEYS)}")
-        out: dict[str, Any] = {"address": os.environ.get("KVDEPOT_ADDRESS", DEFAULT_ADDRESS)}
+        out: dict[str, Any] = {"address": os.environ.get("KVDEPOT_ADDRESS", DEFAULT_ADDRESS), "token_file": os.environ.get("KVDEPOT_TOKEN_FILE", "")}
         for key, value in extra.items():
             out[key] = _coerce(key, value)
+        try:
+            out["token"] = read_token(out["token_file"]) if out["token_file"] else os.environ.get("KVDEPOT_TOKEN", "").strip()
+        except ValueError as e:
+            raise ValueError(f"kvdepot: {e}") from None
         cfg = ConnectorConfig(**out)
         if cfg.late_load_checks not in ("auto", "true", "false"):
             raise ValueError(f"kvdepot: late_load_checks must be auto, true or false, got {cfg.late_load_checks!r}")

@@ -222,7 +222,7 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
 
 
 def _connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str) -> DepotClient | None:
-    client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls())
+    client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls(), token=cfg.token)
     try:
         engine_id = client.register_engine(model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout))
     except DepotError as e:
