@@ -5,6 +5,7 @@ file stops the start."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -17,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvdepot import DepotClient, KvLayout, PermissionDenied, StepBatch, Unauthenticated
+from kvdepot import AsyncDepotClient, DepotClient, KvLayout, PermissionDenied, StepBatch, Unauthenticated
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
@@ -134,6 +135,24 @@ def test_namespaces_never_share_blocks_and_the_lane_carries_tokens(daemon: Daemo
     for e in (a, a2, b):
         e.check()
         close_engine(e)
+
+
+def test_the_asyncio_client_carries_its_token(daemon: DaemonProcess) -> None:
+    async def main() -> None:
+        for lane in (True, False):  # the lane's hello, and the gRPC Session stream's metadata
+            c = AsyncDepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=B, lane=lane)
+            assert (await c.who_am_i()).namespace == "team-b"
+            await c.register_engine(f"m-async-{lane}", LAYOUT)
+            assert [op.kind for op in (await c.step(batch("r"))).ops] == ["store"]
+            assert (c._lane._conn is not None) == lane
+            assert {e.namespace for e in await c.engines()} == {"team-b"}
+            await c.close()
+        c = AsyncDepotClient(daemon.tcp, strict=True, deadline_s=5.0, token="wrong-token-0123456789")
+        with pytest.raises(Unauthenticated):
+            await c.register_engine("m-async", LAYOUT)
+        await c.close()
+
+    asyncio.run(main())
 
 
 def lane_call(sock: socket.socket, req: pb.SessionRequest) -> tuple[int, bytes]:
