@@ -2,6 +2,7 @@
 
     read_token(path)               the token in a file (surrounding whitespace dropped); ValueError
                                    naming the file when it cannot be read or is empty
+    check_token(token)             ValueError unless it can travel as gRPC metadata
     interceptors(token, aio)       gRPC client interceptors that put "authorization: Bearer TOKEN"
                                    on every call of a channel (kvdepot.tls.channel uses them)
 
@@ -24,7 +25,13 @@ def read_token(path: str) -> str:
         raise ValueError(f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}") from None
     if not token:
         raise ValueError(f"the token file {path} is empty")
+    check_token(token, f" in {path}")
     return token
+
+
+def check_token(token: str, where: str = "") -> None:
+    if not token.isascii() or not token.isprintable() or " " in token:
+        raise ValueError(f"the token{where} must be printable ASCII without spaces (it travels as gRPC metadata)")
 
 
 def metadata(token: str) -> tuple[str, str]:
@@ -91,5 +98,6 @@ class _AioStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
 
 
 def interceptors(token: str, aio: bool = False) -> list[Any]:
+    check_token(token)
     kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream) if aio else (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
     return [kind(token) for kind in kinds]

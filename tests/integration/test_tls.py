@@ -16,7 +16,7 @@ import pytest
 import trustme
 
 from kvdepot import AsyncDepotClient, DepotClient, StepBatch, Tls
-from kvdepot.errors import Unavailable
+from kvdepot.errors import Unauthenticated, Unavailable
 from kvdepot.testing import DaemonProcess
 from tests.integration.conftest import LAYOUT
 
@@ -121,3 +121,18 @@ def test_tls_files_that_cannot_be_read_stop_the_start(pki: Pki, tmp_path: Path) 
         DaemonProcess(args=["--tls-cert", pki.cert, "--tls-key", pki.ca]).start(timeout_s=30)
     with pytest.raises(ValueError, match="cannot read the ca file"):
         DepotClient("127.0.0.1:1", tls=Tls(ca=str(tmp_path / "missing.pem")))
+
+
+def test_tokens_ride_on_tls(pki: Pki, tmp_path: Path) -> None:
+    token = "team-a-token-0123456789"
+    (tmp_path / "tokens.toml").write_text(f'[namespaces]\nteam-a = "{token}"\n')
+    with DaemonProcess(args=["--tls-cert", pki.cert, "--tls-key", pki.key, "--auth-file", str(tmp_path / "tokens.toml")]) as d:
+        assert "tokens travel in plaintext" not in d.log()  # TCP is TLS; the Unix socket stays local
+        with DepotClient(d.tcp, strict=True, deadline_s=5.0, tls=Tls(ca=pki.ca), token=token) as c:
+            c.register_engine("m-tls-token", LAYOUT)
+            assert c.engines()[0].namespace == "team-a"
+            assert c.step(batch("a")).ops
+        with DepotClient(d.tcp, strict=True, deadline_s=5.0, tls=Tls(ca=pki.ca)) as c, pytest.raises(Unauthenticated):
+            c.register_engine("m-tls-no-token", LAYOUT)
+    with pytest.raises(ValueError, match="printable ASCII"):
+        DepotClient("127.0.0.1:1", token="two words")
