@@ -12,7 +12,8 @@ Prints one JSON line:
                                      per step, including the steps that need no round trip)
 Targets (DESIGN.md): p50 <= 1 ms, p99 <= 3 ms, lookup <= 10 ms.
 
-    python bench/control_plane.py [--steps 2000] [--address HOST:PORT]   (no --address: starts a daemon)
+    python bench/control_plane.py [--steps 2000] [--address HOST:PORT [--token-file F]] [--auth]
+    (no --address: starts a daemon; --auth: that daemon asks for tokens and every call carries one)
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import json
+import os
 import random
+import secrets
 import statistics
 import sys
+import tempfile
 import time
 import urllib.request
 
-from kvdepot import DepotClient, KvLayout, StepBatch, StepResult
+from kvdepot import DepotClient, KvLayout, StepBatch, StepResult, read_token
 from kvdepot.messages import OpCompleted
 from kvdepot.testing import DaemonProcess, free_port
 from kvdepot.v1 import kvdepot_pb2 as pb
@@ -40,12 +44,12 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def worker_main(address: str, engine_id: str, steps: mp.Queue, acks: mp.Queue) -> None:
+def worker_main(address: str, token: str, engine_id: str, steps: mp.Queue, acks: mp.Queue) -> None:
     """The engine's worker process: reports each step's forward done and waits (up to 5 ms, the
     least a real forward of 256 requests takes) for the daemon to complete that step's stores, so
     the next Step meets a daemon that is not still busy with this one, as it would behind a real
     forward."""
-    c = DepotClient(address, strict=True)
+    c = DepotClient(address, strict=True, token=token)
     c._reg = type("R", (), {"engine_id": engine_id})()  # type: ignore[assignment]  # attach to the scheduler's engine
     w = c.worker(0)
     w.attached.wait(10)
@@ -71,12 +75,12 @@ def worker_main(address: str, engine_id: str, steps: mp.Queue, acks: mp.Queue) -
     c.close()
 
 
-def bench_steps(c: DepotClient, steps: int, dense_only: bool = False) -> dict[str, float]:
+def bench_steps(c: DepotClient, token: str, steps: int, dense_only: bool = False) -> dict[str, float]:
     bs = LAYOUT.block_size
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     acks: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=worker_main, args=(c.address, c.engine_id, q, acks))
+    proc = ctx.Process(target=worker_main, args=(c.address, token, c.engine_id, q, acks))
     proc.start()
     acks.get(timeout=30)
 
@@ -234,11 +238,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--address", default="")
+    ap.add_argument("--token-file", default="", help="the token for a daemon at --address that asks for one")
+    ap.add_argument("--auth", action="store_true", help="the daemon started here asks for tokens (what checking them costs)")
     args = ap.parse_args()
     daemon = None
+    token = read_token(args.token_file) if args.token_file else ""
+    auth_args: list[str] = []
+    if args.auth and not args.address:
+        token = secrets.token_hex(24)
+        fd, tokens_path = tempfile.mkstemp(suffix=".toml")
+        with os.fdopen(fd, "w") as f:
+            f.write(f'[namespaces]\nbench = "{token}"\n')
+        auth_args = ["--auth-file", tokens_path]
     for attempt in range(3):  # a free port can be taken by another process before the daemon binds it
         metrics_port = free_port()
-        daemon_args = ["--log-level", "warning", "--metrics-listen", f"127.0.0.1:{metrics_port}", "--host-gib", "2"]  # 8192 blocks of 128 KiB fit
+        daemon_args = ["--log-level", "warning", "--metrics-listen", f"127.0.0.1:{metrics_port}", "--host-gib", "2", *auth_args]  # 8192 blocks of 128 KiB fit
         if args.address:
             break
         try:
@@ -249,18 +263,18 @@ def main() -> int:
                 raise
     address = args.address or daemon.tcp  # type: ignore[union-attr]
     try:
-        out: dict[str, object] = {"bench": "control_plane", "address": "loopback tcp"}
-        with DepotClient(address, strict=True, deadline_s=5.0) as c:
+        out: dict[str, object] = {"bench": "control_plane", "address": "loopback tcp", "tokens": bool(token)}
+        with DepotClient(address, strict=True, deadline_s=5.0, token=token) as c:
             c.register_engine("bench-model", LAYOUT, name="bench-steps")
-            out.update(bench_steps(c, args.steps))
+            out.update(bench_steps(c, token, args.steps))
         if daemon is not None:  # the daemon's own time per Step (its RPC histogram), without the wire
             out["step256_daemon_mean_ms"] = round(daemon_mean_ms(metrics_port, "Step"), 3)
         for how, kwargs in (("session", {"lane": False}), ("unary", {"session": False})):  # the other transports
-            with DepotClient(address, strict=True, deadline_s=5.0, **kwargs) as c:
+            with DepotClient(address, strict=True, deadline_s=5.0, token=token, **kwargs) as c:
                 c.register_engine("bench-model", LAYOUT, name=f"bench-steps-{how}")
-                other = bench_steps(c, args.steps, dense_only=True)
+                other = bench_steps(c, token, args.steps, dense_only=True)
                 out[f"step256_{how}_p50_ms"], out[f"step256_{how}_p99_ms"] = other["step256_p50_ms"], other["step256_p99_ms"]
-        with DepotClient(address, strict=True, deadline_s=5.0) as c:
+        with DepotClient(address, strict=True, deadline_s=5.0, token=token) as c:
             c.register_engine("bench-model", LAYOUT, name="bench-lookup")
             out.update(bench_lookup(c))
         out["targets_met"] = out["step256_p50_ms"] <= 1.0 and out["step256_p99_ms"] <= 3.0 and out["lookup128k_ms"] <= 10.0  # type: ignore[operator]
@@ -268,6 +282,8 @@ def main() -> int:
     finally:
         if daemon is not None:
             daemon.stop()
+        if auth_args:
+            os.unlink(auth_args[1])
     return 0
 
 
