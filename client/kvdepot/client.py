@@ -39,6 +39,24 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.enable_retries", 0),
 ]
+REJECTION_LOG_S = 30
+
+
+class _Every:
+    """True for a key at most once per period: log lines that would otherwise repeat every step."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self._last: dict[object, float] = {}
+
+    def due(self, key: object) -> bool:
+        now = time.monotonic()
+        if now - self._last.get(key, -self.period_s) < self.period_s:
+            return False
+        self._last[key] = now
+        return True
+
+
 MISSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 BROKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)  # how a session stream that ended answers
 
@@ -69,8 +87,8 @@ def _degraded(client: Any, e: grpc.RpcError, what: str) -> None:
         client._reg.engine_id = ""  # the daemon restarted or our lease expired: the keeper re-registers
     if code in MISSES or code is grpc.StatusCode.NOT_FOUND:
         log.debug("kvdepot %s degraded to a miss: %s", what, code.name)
-    else:
-        log.error("kvdepot %s rejected (%s): %s; treating it as a miss", what, code.name, e.details())
+    elif client._rejections.due((what, code)):  # e.g. a revoked token: every call of every step
+        log.error("kvdepot %s rejected (%s): %s; treating it as a miss (said at most every %d s)", what, code.name, e.details(), REJECTION_LOG_S)
 
 
 def _again_on_new_stream(reused: bool, e: grpc.RpcError, deadline: float) -> bool:
@@ -184,6 +202,7 @@ class _ClientCore:
         self._stub = pb_grpc.BlockManagerStub(channel)
         self._reg: _Registration | None = None
         self._step = 0
+        self._rejections = _Every(REJECTION_LOG_S)
 
     @property
     def engine_id(self) -> str:
@@ -217,6 +236,8 @@ class _ClientCore:
         if e.code() is grpc.StatusCode.NOT_FOUND and self._reg is not None:
             log.warning("kvdepot: the daemon forgot engine %s; registering again", self._reg.engine_id)
             self._reg.engine_id = ""
+        elif e.code() not in MISSES and self._rejections.due(("heartbeat", e.code())):
+            log.error("kvdepot: heartbeat rejected (%s): %s", e.code().name, e.details())
 
     def _lookup_request(
         self, request_id: str, tokens: Sequence[int], L: int, cache_salt: str, lora_name: str, pin_ms: int

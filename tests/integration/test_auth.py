@@ -189,14 +189,15 @@ def test_a_lane_connection_acts_only_after_an_accepted_hello(daemon: DaemonProce
         assert bad._lane._sock is None  # and is not kept
 
 
-def test_sighup_rotates_tokens(tokens_file: Path) -> None:
+def test_sighup_rotates_tokens(tokens_file: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tokens_file.parent / "rotate.toml"
     path.write_text(f'[namespaces]\nteam-a = "{A}"\n')
     with DaemonProcess(args=["--auth-file", str(path)]) as d:
         assert d.proc is not None
-        with DepotClient(d.tcp, strict=True, deadline_s=5.0, token=A) as c:
+        with DepotClient(d.tcp, strict=True, deadline_s=5.0, token=A) as c, DepotClient(d.tcp, deadline_s=5.0, token=A) as engine:
             c.register_engine("m", LAYOUT)
-            assert c.step(batch("r")).ops  # on the lane
+            engine.register_engine("m2", LAYOUT)
+            assert c.step(batch("r")).ops and engine.step(batch("r")).ops  # on the lane
             path.write_text(f'[namespaces]\nteam-a = "{A2}"\n')  # A is revoked
             d.proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 10
@@ -204,6 +205,9 @@ def test_sighup_rotates_tokens(tokens_file: Path) -> None:
                 time.sleep(0.05)
             with pytest.raises(Unauthenticated):  # the open lane connection stops working at once
                 c.step(batch("s"))
+            # An engine's client (not strict) takes each step as a miss and says why once, not every step.
+            assert all(engine.step(batch(f"s{i}")).degraded for i in range(5))
+            assert sum("step rejected (UNAUTHENTICATED)" in r.getMessage() for r in caplog.records) == 1
         with DepotClient(d.tcp, strict=True, deadline_s=5.0, token=A2) as c:
             assert c.who_am_i().namespace == "team-a"
             path.write_text("admin = [")  # broken: the tokens in force stay
