@@ -56,48 +56,27 @@ class _Bearer:
 
 
 # grpc takes one kind of call per interceptor object (grpc.aio files a multi-kind one under its
-# first kind only), hence one class per kind.
-class _UnaryUnary(_Bearer, grpc.UnaryUnaryClientInterceptor):
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+# first kind only), hence one class per kind of call: (unary|stream) -> (unary|stream).
+KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+
+def _interceptor_class(kind: str, aio: bool) -> type:
+    base_name = "".join(w.capitalize() for w in kind.split("_")) + "ClientInterceptor"
+    if aio:
+        async def intercept_async(self: _Bearer, continuation: Any, details: Any, request: Any) -> Any:
+            return await continuation(self._aio_with_token(details), request)
+
+        return type("Aio" + base_name, (_Bearer, getattr(grpc.aio, base_name)), {f"intercept_{kind}": intercept_async})
+
+    def intercept(self: _Bearer, continuation: Any, details: Any, request: Any) -> Any:
         return continuation(self._with_token(details), request)
 
-
-class _UnaryStream(_Bearer, grpc.UnaryStreamClientInterceptor):
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._with_token(details), request)
+    return type(base_name, (_Bearer, getattr(grpc, base_name)), {f"intercept_{kind}": intercept})
 
 
-class _StreamUnary(_Bearer, grpc.StreamUnaryClientInterceptor):
-    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
-
-
-class _StreamStream(_Bearer, grpc.StreamStreamClientInterceptor):
-    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return continuation(self._with_token(details), requests)
-
-
-class _AioUnaryUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._aio_with_token(details), request)
-
-
-class _AioUnaryStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return await continuation(self._aio_with_token(details), request)
-
-
-class _AioStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._aio_with_token(details), requests)
-
-
-class _AioStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
-        return await continuation(self._aio_with_token(details), requests)
+_CLASSES = {aio: [_interceptor_class(kind, aio) for kind in KINDS] for aio in (False, True)}
 
 
 def interceptors(token: str, aio: bool = False) -> list[Any]:
     check_token(token)
-    kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream) if aio else (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
-    return [kind(token) for kind in kinds]
+    return [cls(token) for cls in _CLASSES[aio]]
