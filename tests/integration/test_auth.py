@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import socket
 import struct
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvdepot import AsyncDepotClient, DepotClient, KvLayout, PermissionDenied, StepBatch, Unauthenticated
 from kvdepot.testing import DaemonProcess, FakeEngine
@@ -252,3 +255,17 @@ def test_a_daemon_without_tokens_says_so(tmp_path: Path) -> None:
         assert (who.tokens_required, who.admin) == (False, True)
         c.register_engine("m", LAYOUT, namespace="anything")
         assert c.step(batch("r")).ops and c._lane._sock is not None
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(token=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=80), scheme=st.sampled_from(["Bearer ", "bearer ", "", "Basic "]))
+def test_arbitrary_tokens_are_refused_cleanly(daemon: DaemonProcess, token: str, scheme: str) -> None:
+    """Whatever a caller puts in the metadata or a lane hello: UNAUTHENTICATED, nothing else."""
+    with grpc.insecure_channel(daemon.tcp) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.BlockManagerStub(ch).WhoAmI(pb.WhoAmIRequest(), timeout=5, metadata=(("authorization", scheme + token),))
+        assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED, e.value.details()
+    lane = re.search(r"lanes 127\.0\.0\.1:(\d+)", daemon.log())
+    assert lane is not None
+    with socket.create_connection(("127.0.0.1", int(lane.group(1))), timeout=5) as s:
+        assert lane_call(s, pb.SessionRequest(hello=pb.Hello(token=token)))[0] == grpc.StatusCode.UNAUTHENTICATED.value[0]
