@@ -93,13 +93,31 @@ def main(argv: list[str] | None = None) -> int:
         for name in cfg.__dataclass_fields__:
             print(f"{name} = {getattr(cfg, name)!r}")
         return 0
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if cfg.log_format == "json" else logging.Formatter(TEXT_FORMAT, "%Y-%m-%dT%H:%M:%S"))
+    logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])
     return run(cfg)
+
+
+TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, for log collectors (--log-format json)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+        from datetime import datetime, timezone
+
+        out = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
 
 
 def run(cfg: config.DaemonConfig) -> int:

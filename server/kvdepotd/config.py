@@ -43,6 +43,7 @@ class DaemonConfig:
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
+    log_format: str = "text"
     disk_dir: str = ""
     disk_gib: float = 16.0
     disk_slab_mib: int = 256
@@ -91,6 +92,8 @@ HELP: dict[str, str] = {
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
+    "log_format": "text (one line per record) or json (one JSON object per line: time, level, logger, message, and "
+    "exception when there is one), for log collectors. Default text",
     "disk_dir": "directory of the disk tier (G3); blocks there survive restarts. Empty (the default) means no disk tier",
     "disk_gib": "disk tier size in GiB (used only with --disk-dir). Default 16",
     "disk_slab_mib": "size of one preallocated disk slab file in MiB. Default 256",
@@ -190,6 +193,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),
+    "log_format": _choice("text", "json"),
     "disk_dir": _path,
     "disk_gib": _positive("disk_gib", float),
     "disk_slab_mib": _positive("disk_slab_mib", int),

@@ -101,7 +101,8 @@ def test_bad_config_exits_2_with_a_message(tmp_path) -> None:  # type: ignore[no
 
 
 def test_sigterm_drains_not_serving_first() -> None:
-    d = DaemonProcess(args=["--drain-grace-s", "1"]).start()
+    """Also with --log-format json: every line of the log is one JSON object."""
+    d = DaemonProcess(args=["--drain-grace-s", "1", "--log-format", "json"]).start()
     seen: list[int] = []
     with grpc.insecure_channel(d.tcp) as ch:
         watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=10)
@@ -116,8 +117,10 @@ def test_sigterm_drains_not_serving_first() -> None:
     assert d.proc.wait(20) == 0
     assert seen[0] == health_pb2.HealthCheckResponse.SERVING
     assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
-    log = d.log()
-    assert "draining" in log and "stopped" in log
+    records = [json.loads(line) for line in d.log().splitlines()]
+    messages = [r["message"] for r in records]
+    assert any(m.startswith("kvdepotd serving on") for m in messages) and any("draining" in m for m in messages) and "stopped" in messages
+    assert {r["level"] for r in records} <= {"info", "warning"} and records[0]["time"].endswith("+00:00")
     assert not os.path.exists(d.unix[len("unix:") :])
 
 

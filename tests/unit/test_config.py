@@ -74,3 +74,20 @@ def test_readme_documents_every_option() -> None:
     readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     for name in config.HELP:
         assert f"| `{name}` |" in readme, f"README's configuration table lacks {name}"
+
+
+def test_json_log_lines_carry_the_exception() -> None:
+    import json
+    import logging
+
+    from kvdepotd.cli import JsonFormatter
+
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        record = logging.LogRecord("kvdepotd", logging.ERROR, __file__, 1, "step %s failed", ("7",), sys.exc_info())
+    out = json.loads(JsonFormatter().format(record))
+    assert out["level"] == "error" and out["logger"] == "kvdepotd" and out["message"] == "step 7 failed"
+    assert "ValueError: boom" in out["exception"] and "\n" not in JsonFormatter().format(record)
