@@ -293,6 +293,7 @@ class Daemon:
             log.error("SIGHUP: %s; the tokens in force stay", e)
             return
         self._log_tokens(self.service.auth)
+        self.service.tokens_changed()
 
     def _tls_credentials(self) -> grpc.ServerCredentials | None:
         cfg = self.cfg

@@ -93,9 +93,13 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
 class WorkerChannel:
     """One attached worker stream: a queue the service fills and the stream drains."""
 
-    def __init__(self) -> None:
+    def __init__(self, metadata: Any = ()) -> None:
         self.queue: asyncio.Queue[pb.WorkerEvent | None] = asyncio.Queue()
         self.closed: tuple[grpc.StatusCode, str] | None = None  # None: ended by the worker
+        self.metadata = tuple(metadata or ())  # the stream's, to check its token again when tokens change
+
+    def invocation_metadata(self) -> tuple[Any, ...]:  # as a call context answers it (DepotService.caller)
+        return self.metadata
 
     def close(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.NOT_FOUND) -> None:
         self.closed = (code, reason)
@@ -275,6 +279,18 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if self.auth is not None and not (c := self.caller(context)).may_use(eng.namespace):
             raise PermissionDenied(f"engine {engine_id} is not in the namespace of the call's token ({c.describe()})")
         return eng
+
+    def tokens_changed(self) -> None:
+        """Ends the worker streams whose token no longer drives their engine (their forward-done
+        reports would keep its lease alive while its scheduler's calls are refused)."""
+        for (engine_id, rank), ch in list(self.channels.items()):
+            eng = self.depot.engines.get(engine_id)
+            try:
+                if eng is not None and not self.caller(ch).may_use(eng.namespace):
+                    raise PermissionDenied(f"the stream's token no longer speaks for namespace {eng.namespace!r}")
+            except DepotError as e:
+                log.warning("engine %s rank %d: worker stream ended: %s", engine_id, rank, e)
+                ch.close(f"token refused after the daemon re-read its tokens: {e}", status_of(e))
 
     @rpc
     async def WhoAmI(self, request: pb.WhoAmIRequest, context: grpc.aio.ServicerContext) -> pb.WhoAmIResponse:
@@ -461,7 +477,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if err is not None:
             await context.abort(*err)
             return
-        ch = WorkerChannel()
+        ch = WorkerChannel(context.invocation_metadata())
         old = self.channels.get(key)
         if old is not None:
             old.close(f"rank {key[1]} attached again on another stream", grpc.StatusCode.CANCELLED)

@@ -200,6 +200,7 @@ def test_sighup_rotates_tokens(tokens_file: Path, caplog: pytest.LogCaptureFixtu
         with DepotClient(d.tcp, strict=True, deadline_s=5.0, token=A) as c, DepotClient(d.tcp, deadline_s=5.0, token=A) as engine:
             c.register_engine("m", LAYOUT)
             engine.register_engine("m2", LAYOUT)
+            assert engine.worker(0).attached.wait(5)
             assert c.step(batch("r")).ops and engine.step(batch("r")).ops  # on the lane
             path.write_text(f'[namespaces]\nteam-a = "{A2}"\n')  # A is revoked
             d.proc.send_signal(signal.SIGHUP)
@@ -211,6 +212,7 @@ def test_sighup_rotates_tokens(tokens_file: Path, caplog: pytest.LogCaptureFixtu
             # An engine's client (not strict) takes each step as a miss and says why once, not every step.
             assert all(engine.step(batch(f"s{i}")).degraded for i in range(5))
             assert sum("step rejected (UNAUTHENTICATED)" in r.getMessage() for r in caplog.records) == 1
+            assert "worker stream ended: the token is not one this daemon knows" in d.log()  # its lease is not kept alive
         with DepotClient(d.tcp, strict=True, deadline_s=5.0, token=A2) as c:
             assert c.who_am_i().namespace == "team-a"
             path.write_text("admin = [")  # broken: the tokens in force stay
