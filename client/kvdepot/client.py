@@ -280,8 +280,8 @@ class DepotClient(_ClientCore):
         """Lookups and steps go on the daemon's lane (a plain framed socket, kvdepot.lane) when
         `lane` and the daemon has one, else on one long-lived gRPC stream (rpc Session), which
         saves gRPC's per-call setup; `session=False` sends each as its own unary call. `tls`
-        (kvdepot.tls.Tls) makes the channel to a TCP address a TLS one; the plaintext lane is
-        then never used. `token`: for a daemon that asks for one (kvdepotd --auth-file; see
+        (kvdepot.tls.Tls) makes the channel to a TCP address a TLS one, and the lane with it.
+        `token`: for a daemon that asks for one (kvdepotd --auth-file; see
         kvdepot.auth.read_token); every call carries it. Raises ValueError for TLS files that
         cannot be read."""
         super().__init__(address, deadline_s, admin_deadline_s, strict, channel(address, tls, CHANNEL_OPTIONS, token=token))
@@ -290,7 +290,7 @@ class DepotClient(_ClientCore):
         self._workers: list[WorkerLink] = []
         self._session = _Session(self._stub, deadline_s / 4, self._closed)
         self._session.supported = session
-        self._lane = Lane(address, enabled=lane and session and tls is None, token=token)
+        self._lane = Lane(address, enabled=lane and session, token=token, tls=tls.ssl_context() if tls is not None else None)
 
     # -- engine registration -------------------------------------------------------------------
     def register_engine(
@@ -608,7 +608,7 @@ class AsyncDepotClient(_ClientCore):
         self._session: Any = None  # the engine path's stream, as in DepotClient's _Session
         self._session_busy = asyncio.Lock()
         self._session_supported = session
-        self._lane = AsyncLane(address, enabled=lane and session and tls is None, token=token)
+        self._lane = AsyncLane(address, enabled=lane and session, token=token, tls=tls.ssl_context() if tls is not None else None)
 
     async def register_engine(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -86,8 +87,9 @@ class _LaneBase:
     lane rests: a daemon that is down fails there too, within the deadline, and one whose lane
     alone is out keeps its engine served."""
 
-    def __init__(self, address: str, enabled: bool = True, token: str = "") -> None:
+    def __init__(self, address: str, enabled: bool = True, token: str = "", tls: ssl.SSLContext | None = None) -> None:
         self._address = address
+        self._tls = tls  # a TCP lane of a daemon with --tls-cert speaks TLS
         self._hello = request_frame(pb.SessionRequest(hello=pb.Hello(token=token))) if token else b""
         self._target: Target | None = None
         self._retry_at = 0.0  # after a failed connect, the lane rests until then
@@ -132,8 +134,8 @@ def request_frame(req: pb.SessionRequest) -> bytes:
 class Lane(_LaneBase):
     """For DepotClient: a blocking socket used from the caller's thread."""
 
-    def __init__(self, address: str, enabled: bool = True, token: str = "") -> None:
-        super().__init__(address, enabled, token)
+    def __init__(self, address: str, enabled: bool = True, token: str = "", tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(address, enabled, token, tls)
         self._sock: socket.socket | None = None
         self._busy = threading.Lock()  # held by the one call in flight
 
@@ -186,7 +188,13 @@ class Lane(_LaneBase):
             else:
                 sock = socket.create_connection((where, port), timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as e:
+                if self._tls is not None:
+                    try:
+                        sock = self._tls.wrap_socket(sock, server_hostname=where)  # the handshake, within the timeout
+                    except OSError:
+                        sock.close()
+                        raise
+        except OSError as e:  # ssl.SSLError included
             self._rest(e)
             return False
         self._sock = sock
@@ -237,8 +245,8 @@ class Lane(_LaneBase):
 class AsyncLane(_LaneBase):
     """For AsyncDepotClient: asyncio streams, the same decisions."""
 
-    def __init__(self, address: str, enabled: bool = True, token: str = "") -> None:
-        super().__init__(address, enabled, token)
+    def __init__(self, address: str, enabled: bool = True, token: str = "", tls: ssl.SSLContext | None = None) -> None:
+        super().__init__(address, enabled, token, tls)
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._busy = asyncio.Lock()
 
@@ -274,7 +282,10 @@ class AsyncLane(_LaneBase):
             return False
         assert self._target is not None
         kind, where, port = self._target
-        opening = asyncio.open_unix_connection(where) if kind == "unix" else asyncio.open_connection(where, port)
+        if kind == "unix":
+            opening = asyncio.open_unix_connection(where)
+        else:
+            opening = asyncio.open_connection(where, port, ssl=self._tls, server_hostname=where if self._tls else None)
         try:
             self._conn = await asyncio.wait_for(opening, max(deadline - time.monotonic(), 1e-3))
         except (OSError, asyncio.TimeoutError) as e:

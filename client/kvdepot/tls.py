@@ -8,11 +8,12 @@
                                   call carrying `token` when one is (kvdepot.auth)
 
 Unix sockets stay plaintext on both sides: who may connect is the socket file's permission. Under
-TLS the daemon opens no TCP lane, so a TLS client's engine path goes over gRPC.
+TLS the daemon's TCP lane speaks TLS too (Tls.ssl_context: the same files).
 """
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,16 @@ class Tls:
     def of(ca: str = "", cert: str = "", key: str = "") -> Tls | None:
         """Settings that name any file turn TLS on; none: None (plaintext)."""
         return Tls(ca, cert, key) if ca or cert or key else None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For the TCP lane: the same CA and client certificate; ValueError naming what is wrong."""
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca or None)
+            if self.cert:
+                ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"TLS: {self.ca or 'the system CA'}, {self.cert or 'no certificate'}: {e}") from None
+        return ctx
 
     def credentials(self) -> grpc.ChannelCredentials:
         """Reads the files now; raises ValueError naming a file that cannot be read."""

@@ -81,8 +81,8 @@ HELP: dict[str, str] = {
     "about a third of gRPC's round-trip time. Default true",
     "lane_port": "TCP port of the lane beside each HOST:PORT listen address (a fixed one to publish or let through "
     "a firewall); 0 lets the system pick. Default 0",
-    "tls_cert": "PEM certificate (chain) for TLS on the TCP listen addresses, with --tls-key; Unix sockets stay "
-    "plaintext and TCP lanes are not opened under TLS. Empty (the default): plaintext",
+    "tls_cert": "PEM certificate (chain) for TLS on the TCP listen addresses and their lanes, with --tls-key; Unix "
+    "sockets stay plaintext. Empty (the default): plaintext",
     "tls_key": "PEM private key of --tls-cert",
     "tls_client_ca": "PEM CA certificates: TLS clients must present a certificate signed by one of them (mutual "
     "TLS; needs --tls-cert). Empty (the default): no client certificates asked for",

@@ -19,7 +19,8 @@ INVALID_ARGUMENT and the connection stays usable; a frame longer than the messag
 answered RESOURCE_EXHAUSTED and the connection is closed.
 
 Where: beside each `--listen` address, `unix:PATH` gets `unix:PATH.lane` and `HOST:PORT` gets
-the same host on `--lane-port` (0, the default: a port of the system's choosing). RegisterEngine's
+the same host on `--lane-port` (0, the default: a port of the system's choosing); under TLS
+(--tls-cert) a TCP lane speaks TLS with the gRPC port's certificate and client-certificate rule. RegisterEngine's
 answer lists them; the client picks the one beside the address it reached the daemon at, and
 falls back to the Session stream whenever the lane cannot be reached.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, cast
@@ -159,9 +161,9 @@ class Lanes:
     def _factory(self) -> LaneConnection:
         return LaneConnection(self._answer, self._max_frame, self._connections)
 
-    async def listen(self, grpc_address: str, port: int = 0) -> str:
+    async def listen(self, grpc_address: str, port: int = 0, tls: ssl.SSLContext | None = None) -> str:
         """Opens the lane beside one gRPC listen address (TCP: on `port`, 0 for the system's
-        choice); returns the lane's address."""
+        choice, over TLS when `tls` is given); returns the lane's address."""
         loop = asyncio.get_running_loop()
         if grpc_address.startswith("unix:"):
             path = unix_path(grpc_address) + ".lane"
@@ -169,7 +171,7 @@ class Lanes:
             addr = f"unix:{path}"
         else:
             host = grpc_address.rpartition(":")[0]
-            server = await loop.create_server(self._factory, host.strip("[]"), port)
+            server = await loop.create_server(self._factory, host.strip("[]"), port, ssl=tls, ssl_handshake_timeout=10 if tls else None)
             port = server.sockets[0].getsockname()[1]
             addr = f"{host}:{port}"
         self._servers.append(server)

@@ -208,7 +208,7 @@ class Daemon:
         server.add_generic_rpc_handlers((block_manager_handlers(self.service),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
-        creds = self._tls_credentials()
+        creds, lane_tls = self._tls_credentials()
         for addr in self.cfg.listen:
             if addr.startswith("unix:"):
                 _prepare_unix(addr)
@@ -231,12 +231,11 @@ class Daemon:
         self.server = server
         if self.cfg.lane:
             for addr in self.addresses:
-                if creds is not None and not addr.startswith("unix:"):
-                    continue  # the lane is plaintext: under TLS only beside Unix sockets
-                if addr.startswith("unix:"):
+                unix = addr.startswith("unix:")
+                if unix:
                     _prepare_unix(addr + ".lane")
                 try:
-                    await self.lanes.listen(addr, self.cfg.lane_port)
+                    await self.lanes.listen(addr, self.cfg.lane_port, tls=None if unix else lane_tls)
                 except OSError as e:
                     raise StartupError(f"cannot open the lane beside {addr}: {e.strerror}") from None
             self.service.lanes = self.lanes.addresses
@@ -295,10 +294,12 @@ class Daemon:
         self._log_tokens(self.service.auth)
         self.service.tokens_changed()
 
-    def _tls_credentials(self) -> grpc.ServerCredentials | None:
+    def _tls_credentials(self) -> tuple[grpc.ServerCredentials | None, ssl.SSLContext | None]:
+        """gRPC's credentials and the TCP lane's SSL context (the same certificate, key and client
+        CA), or None twice for plaintext."""
         cfg = self.cfg
         if not cfg.tls_cert:
-            return None
+            return None, None
         try:
             files = (("certificate", cfg.tls_cert), ("key", cfg.tls_key), ("client CA", cfg.tls_client_ca))
             cert, key, ca = (read_pem(path, what) for what, path in files)
@@ -314,9 +315,10 @@ class Daemon:
         try:
             if ca is not None:
                 ctx.load_verify_locations(cadata=ca.decode(errors="replace"))
+                ctx.verify_mode = ssl.CERT_REQUIRED
         except ssl.SSLError as e:
             raise StartupError(f"TLS: {cfg.tls_client_ca} holds no PEM CA certificate ({e})") from None
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None), ctx
 
     async def run(self) -> None:
         try:
