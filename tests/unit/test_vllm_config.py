@@ -31,6 +31,10 @@ def test_the_token_comes_from_a_file_or_the_environment(monkeypatch: pytest.Monk
     assert cfg.token == "from-file-0123456789" and "from-file" not in repr(cfg)  # never in a log line
     monkeypatch.setenv("KVDEPOT_TOKEN_FILE", str(f))
     assert ConnectorConfig.from_extra({}).token == "from-file-0123456789"
+    monkeypatch.delenv("KVDEPOT_TOKEN_FILE")
+    monkeypatch.setenv("KVDEPOT_TOKEN", "two words")
+    with pytest.raises(ValueError, match="kvdepot: the token must be printable ASCII"):
+        ConnectorConfig.from_extra({})
     with pytest.raises(ValueError, match="kvdepot: cannot read the token file"):
         ConnectorConfig.from_extra({"token_file": str(tmp_path / "missing")})
 

@@ -35,7 +35,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdepot.auth import read_token
+from kvdepot.auth import check_token, read_token
 from kvdepot.client import DEFAULT_ADDRESS
 from kvdepot.layout import KvLayout
 from kvdepot.tls import Tls
@@ -81,6 +81,8 @@ class ConnectorConfig:
             out[key] = _coerce(key, value)
         try:
             out["token"] = read_token(out["token_file"]) if out["token_file"] else os.environ.get("KVDEPOT_TOKEN", "").strip()
+            if out["token"]:
+                check_token(out["token"])
         except ValueError as e:
             raise ValueError(f"kvdepot: {e}") from None
         cfg = ConnectorConfig(**out)
