@@ -18,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -77,8 +78,6 @@ def test_calls_without_a_known_token_are_refused(daemon: DaemonProcess) -> None:
             with pytest.raises(Unauthenticated):
                 c.stats()
     with grpc.insecure_channel(daemon.tcp) as ch:  # health and reflection stay open: probes carry no token
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -111,6 +110,7 @@ def test_another_namespace_cannot_drive_or_inspect_an_engine(daemon: DaemonProce
                 (stub.Heartbeat, pb.HeartbeatRequest(engine_id=eid)),
                 (stub.ListSlots, pb.ListSlotsRequest(engine_id=eid)),
                 (stub.GetSlot, pb.GetSlotRequest(engine_id=eid, request_id="r")),
+                (stub.GetBlock, pb.GetBlockRequest(engine_id=eid, hash=1)),
                 (stub.UnregisterEngine, pb.UnregisterEngineRequest(engine_id=eid)),
                 (stub.RegisterKvCaches, pb.RegisterKvCachesRequest(engine_id=eid)),
             ]
