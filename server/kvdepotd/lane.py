@@ -50,10 +50,14 @@ class LaneContext:
     """What the gRPC handlers use of their context: abort() records the status and ends the
     handler as grpc.aio's does; the metadata is the connection's token, as a gRPC call sends it."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, peer: str = "lane") -> None:
         self.code = grpc.StatusCode.OK
         self.details = ""
         self.token = token
+        self._peer = peer
+
+    def peer(self) -> str:
+        return self._peer
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", "Bearer " + self.token),) if self.token else ()
@@ -78,9 +82,12 @@ class LaneConnection(asyncio.Protocol):
         self._busy = False
         self._closing = False
         self._token = ""  # of the last hello the daemon accepted
+        self._peer = "lane"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        peer = transport.get_extra_info("peername")
+        self._peer = f"lane {peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "lane (unix socket)"
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -123,7 +130,7 @@ class LaneConnection(asyncio.Protocol):
     async def _serve(self, body: bytes) -> None:
         req = PARSE(body)
         hello = isinstance(req, pb.SessionRequest) and req.WhichOneof("call") == "hello"
-        ctx = LaneContext(req.hello.token if hello else self._token)
+        ctx = LaneContext(req.hello.token if hello else self._token, self._peer)
         if hello:
             self._token = ""  # a refused hello leaves the connection with no token
         try:

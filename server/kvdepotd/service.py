@@ -23,7 +23,7 @@ import grpc
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
-from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens
+from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens, Unauthenticated
 from kvdepotd.core.depot import Depot, Engine, LoadCopied, OpCompleted
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, OpId, RequestId
@@ -38,6 +38,7 @@ log = logging.getLogger("kvdepotd")
 T = TypeVar("T")
 BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
 TICK_S = 0.05
+AUDIT_S = 10.0  # a refused token is logged at most this often per method and kind of refusal
 
 
 class BadMessage:
@@ -73,6 +74,8 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             return await fn(self, request, context)
         except DepotError as e:
             self.metrics.rpc_errors.labels(name, status_of(e).name).inc()
+            if isinstance(e, (Unauthenticated, PermissionDenied)):
+                self.refused(name, e, context)
             await context.abort(status_of(e), str(e))
         except ValueError as e:  # protobuf range errors and the like from a malformed message
             self.metrics.rpc_errors.labels(name, "INVALID_ARGUMENT").inc()
@@ -124,6 +127,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._closing = False
         self.lanes: list[str] = []  # the lane addresses (kvdepotd.lane), told to engines as they register
         self.auth: Tokens | None = None  # None: no tokens asked for, every caller may do everything
+        self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # (method, error) -> (last logged, since)
         self._stop_populating = threading.Event()
 
     @staticmethod
@@ -279,6 +283,19 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if self.auth is not None and not (c := self.caller(context)).may_use(eng.namespace):
             raise PermissionDenied(f"engine {engine_id} is not in the namespace of the call's token ({c.describe()})")
         return eng
+
+    def refused(self, method: str, e: DepotError, context: Any) -> None:
+        """A call refused for its token, in the log for whoever audits the daemon: the first of each
+        kind at once, then at most one line per kind every AUDIT_S with the count in between."""
+        key = (method, type(e).__name__)
+        now = time.monotonic()
+        last, suppressed = self._refusals.get(key, (-AUDIT_S, 0))
+        if now - last < AUDIT_S:
+            self._refusals[key] = (last, suppressed + 1)
+            return
+        self._refusals[key] = (now, 0)
+        more = f" ({suppressed} more like it since the last line)" if suppressed else ""
+        log.warning("refused %s from %s: %s%s", method, context.peer(), e, more)
 
     def tokens_changed(self) -> None:
         """Ends the worker streams whose token no longer drives their engine (their forward-done
@@ -511,6 +528,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
             self.own_engine(context, engine_id)
             self.depot.engine_rank(engine_id, rank)
         except DepotError as e:
+            if isinstance(e, (Unauthenticated, PermissionDenied)):
+                self.refused("WorkerStream", e, context)
             return (engine_id, rank), (status_of(e), str(e))
         return (engine_id, rank), None
 

@@ -124,6 +124,9 @@ def test_another_namespace_cannot_drive_or_inspect_an_engine(daemon: DaemonProce
                 list(stub.WorkerStream(iter([attach]), timeout=5, metadata=md))
             assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert a.slots()  # the engine and its slot are untouched
+    log = daemon.log()  # for whoever audits the daemon: who was refused what, once per kind of refusal
+    assert re.search(r"refused Step from ipv4:127\.0\.0\.1:\d+: engine eng-\w+ is not in the namespace", log), log[-3000:]
+    assert "refused WorkerStream from ipv4:127.0.0.1" in log
 
 
 def test_namespaces_never_share_blocks_and_the_lane_carries_tokens(daemon: DaemonProcess) -> None:
@@ -176,6 +179,7 @@ def test_a_lane_connection_acts_only_after_an_accepted_hello(daemon: DaemonProce
     with socket.create_connection((host, port), timeout=5) as s:
         code, msg = lane_call(s, lookup)
         assert code == unauthenticated and b"requires a token" in msg
+        assert re.search(r"refused Lookup from lane 127\.0\.0\.1:\d+: this daemon requires a token", daemon.log())
         code, _ = lane_call(s, pb.SessionRequest(hello=pb.Hello(token="wrong-token-0123456789")))
         assert code == unauthenticated
         assert lane_call(s, lookup)[0] == unauthenticated
