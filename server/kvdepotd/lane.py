@@ -11,18 +11,19 @@ Wire format, both ways: frames of a little-endian u32 length, then that many byt
     answer    one byte, the gRPC status code (0 = OK), then a SessionResponse when it is 0,
               or the UTF-8 message of the error otherwise
 A connection answers its requests one at a time, in order, through the gRPC handlers themselves
-(same checks, errors and metrics). A daemon with tokens (--auth-file) wants a `hello` carrying
-one as a connection's first request: a lane has no metadata, so the connection's later requests
-act for the token of its last accepted hello (checked again on every request, so a token taken
-out of the file on SIGHUP stops working at once). A request that is not a valid SessionRequest is answered
+(same checks, errors and metrics). A request that is not a valid SessionRequest is answered
 INVALID_ARGUMENT and the connection stays usable; a frame longer than the message limit is
 answered RESOURCE_EXHAUSTED and the connection is closed.
 
+Tokens (--auth-file): a lane has no metadata, so a connection's first request is a `hello`
+carrying the token, and its later requests act for the token of its last accepted hello, checked
+again on every request (a token taken out of the file on SIGHUP stops working at once).
+
 Where: beside each `--listen` address, `unix:PATH` gets `unix:PATH.lane` and `HOST:PORT` gets
 the same host on `--lane-port` (0, the default: a port of the system's choosing); under TLS
-(--tls-cert) a TCP lane speaks TLS with the gRPC port's certificate and client-certificate rule. RegisterEngine's
-answer lists them; the client picks the one beside the address it reached the daemon at, and
-falls back to the Session stream whenever the lane cannot be reached.
+(--tls-cert) a TCP lane speaks TLS with the gRPC port's certificate and client-certificate rule.
+RegisterEngine's answer lists them; the client picks the one beside the address it reached the
+daemon at, and falls back to the Session stream whenever the lane cannot be reached.
 """
 
 from __future__ import annotations
