@@ -24,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the daemon (the default command)", description=DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_arguments(serve)
-    check = sub.add_parser("check-config", help="print the effective configuration and exit")
+    check = sub.add_parser("check-config", help="print the effective configuration and exit (2 when it or its tokens file is wrong)")
     config.add_arguments(check)
     health = sub.add_parser("health", help="exit 0 if the daemon at ADDR answers SERVING (gRPC health check)")
     health.add_argument("address", nargs="?", default=config.DEFAULT_LISTEN, help=f"HOST:PORT or unix:PATH (default {config.DEFAULT_LISTEN})")
@@ -49,6 +49,20 @@ def check_disk(directory: str) -> int:
         return 2
     print(json.dumps(result))
     return 1 if result["bad"] else 0
+
+
+def check_tokens(path: str) -> int:
+    """The tokens file as the daemon would read it (at start or on SIGHUP): check it before a reload."""
+    from kvdepotd.auth import AuthError, Tokens
+
+    try:
+        tokens = Tokens.load(path)
+    except AuthError as e:
+        print(f"kvdepotd: {e}", file=sys.stderr)
+        return 2
+    names = ", ".join(repr(n) for n in sorted(tokens.namespaces)) or "none"
+    print(f"# {path}: {len(tokens)} tokens (namespaces {names}; {tokens.admin_tokens} admin)")
+    return 0
 
 
 def health_check(address: str, timeout_s: float, tls: Tls | None = None) -> int:
@@ -92,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         for name in cfg.__dataclass_fields__:
             print(f"{name} = {getattr(cfg, name)!r}")
-        return 0
+        return check_tokens(cfg.auth_file) if cfg.auth_file else 0
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if cfg.log_format == "json" else logging.Formatter(TEXT_FORMAT, "%Y-%m-%dT%H:%M:%S"))
     logging.basicConfig(level=cfg.log_level.upper(), handlers=[handler])

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -91,3 +92,14 @@ def test_json_log_lines_carry_the_exception() -> None:
     out = json.loads(JsonFormatter().format(record))
     assert out["level"] == "error" and out["logger"] == "kvdepotd" and out["message"] == "step 7 failed"
     assert "ValueError: boom" in out["exception"] and "\n" not in JsonFormatter().format(record)
+
+
+def test_check_config_checks_the_tokens_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = tmp_path / "tokens.toml"
+    good.write_text('admin = "admin-token-0123456789"\n[namespaces]\nteam-a = ["team-a-token-0123456789"]\n')
+    assert cli.main(["check-config", "--auth-file", str(good)]) == 0
+    assert f"# {good}: 2 tokens (namespaces 'team-a'; 1 admin)" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[namespaces]\nteam-a = "short"\n')
+    assert cli.main(["check-config", "--auth-file", str(bad)]) == 2
+    assert "a token must be at least 16 characters" in capsys.readouterr().err
