@@ -34,6 +34,18 @@ class DepotCollector(Collector):
         yield GaugeMetricFamily("kvdepot_engines", "registered engines", value=len(d.engines))
         yield GaugeMetricFamily("kvdepot_slots", "request slots", value=sum(len(e.slots) for e in d.engines.values()))
         yield GaugeMetricFamily("kvdepot_ops_in_flight", "load and store ops not yet ended", value=len(d.ops.ops))
+        engines = GaugeMetricFamily("kvdepot_namespace_engines", "registered engines per namespace (tenant)", labels=["namespace"])
+        slots = GaugeMetricFamily("kvdepot_namespace_slots", "request slots per namespace (tenant)", labels=["namespace"])
+        by_ns: dict[str, list[int]] = {}
+        for e in d.engines.values():
+            n = by_ns.setdefault(e.namespace, [0, 0])
+            n[0] += 1
+            n[1] += len(e.slots)
+        for ns, (n_engines, n_slots) in sorted(by_ns.items()):
+            engines.add_metric([ns], n_engines)
+            slots.add_metric([ns], n_slots)
+        yield engines
+        yield slots
         labels = ["layout_class", "tier"]
         gauges = {
             "capacity": GaugeMetricFamily("kvdepot_pool_capacity_blocks", "blocks the pool holds or can still claim", labels=labels),

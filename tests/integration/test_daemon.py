@@ -151,7 +151,7 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
             assert "kvdepot_lane_connections 1.0" in scrape()
             for kwargs in ({"lane": False}, {"session": False}):
                 with DepotClient(d.tcp, strict=True, deadline_s=5.0, **kwargs) as other:
-                    other.register_engine("m", LAYOUT)
+                    other.register_engine("m", LAYOUT, namespace="team-b")
                     other.lookup("r", list(range(64)))
         end = time.monotonic() + 5
         while "kvdepot_lane_connections 0.0" not in (body := scrape()) and time.monotonic() < end:
@@ -164,6 +164,7 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     for transport in ("lane", "session", "unary"):
         assert f'kvdepot_engine_calls_total{{method="Lookup",transport="{transport}"}} 1.0' in body
     assert 'kvdepot_engine_calls_total{method="Step",transport="lane"} 0.0' in body
+    assert 'kvdepot_namespace_engines{namespace=""} 1.0' in body and 'kvdepot_namespace_engines{namespace="team-b"} 2.0' in body
 
 
 def test_host_tier_too_large_is_a_clear_startup_error() -> None:
