@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from kvdepot.auth import check_token
 from kvdepotd.core.errors import DepotError
 from kvdepotd.core.slots import MAX_ID_LEN
 
@@ -74,6 +75,11 @@ class Tokens:
 
     def __len__(self) -> int:
         return len(self._callers)
+
+    def summary(self) -> str:
+        """Whom the tokens speak for, for the log and check-config: "(namespaces 'a', 'b'; 1 admin)"."""
+        names = ", ".join(repr(n) for n in sorted(self.namespaces)) or "none"
+        return f"(namespaces {names}; {self.admin_tokens} admin)"
 
     def caller(self, metadata: Iterable[tuple[str, Any]] | None) -> Caller:
         token = bearer(metadata)
@@ -129,8 +135,10 @@ def _token_list(value: Any, where: str) -> list[str]:
     for t in tokens:
         if len(t) < MIN_TOKEN_LEN:
             raise AuthError(f"{where}: a token must be at least {MIN_TOKEN_LEN} characters (try `openssl rand -hex 24`)")
-        if not t.isascii() or not t.isprintable() or " " in t:
-            raise AuthError(f"{where}: a token must be printable ASCII without spaces (it travels as gRPC metadata)")
+        try:
+            check_token(t)  # the client's rule: it must travel as gRPC metadata
+        except ValueError as e:
+            raise AuthError(f"{where}: {e}") from None
     return tokens
 
 

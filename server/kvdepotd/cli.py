@@ -60,8 +60,7 @@ def check_tokens(path: str) -> int:
     except AuthError as e:
         print(f"kvdepotd: {e}", file=sys.stderr)
         return 2
-    names = ", ".join(repr(n) for n in sorted(tokens.namespaces)) or "none"
-    print(f"# {path}: {len(tokens)} tokens (namespaces {names}; {tokens.admin_tokens} admin)")
+    print(f"# {path}: {len(tokens)} tokens {tokens.summary()}")
     return 0
 
 

@@ -37,6 +37,7 @@ from typing import Any, cast
 
 import grpc
 
+from kvdepot.auth import metadata
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.service import safe_parser
 
@@ -61,7 +62,7 @@ class LaneContext:
         return self._peer
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", "Bearer " + self.token),) if self.token else ()
+        return (metadata(self.token),) if self.token else ()
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self.code, self.details = code, details

@@ -278,8 +278,7 @@ class Daemon:
     @staticmethod
     def _log_tokens(tokens: Tokens | None) -> None:
         if tokens is not None:
-            names = ", ".join(repr(n) for n in sorted(tokens.namespaces)) or "none"
-            log.info("tokens required: %d from %s (namespaces %s; %d admin)", len(tokens), tokens.source, names, tokens.admin_tokens)
+            log.info("tokens required: %d from %s %s", len(tokens), tokens.source, tokens.summary())
 
     def reload_tokens(self) -> None:
         """SIGHUP: the tokens file again; a file that is now wrong keeps the tokens in force."""

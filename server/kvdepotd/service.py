@@ -74,8 +74,7 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
             return await fn(self, request, context)
         except DepotError as e:
             self.metrics.rpc_errors.labels(name, status_of(e).name).inc()
-            if isinstance(e, (Unauthenticated, PermissionDenied)):
-                self.refused(name, e, context)
+            self.refused(name, e, context)
             await context.abort(status_of(e), str(e))
         except ValueError as e:  # protobuf range errors and the like from a malformed message
             self.metrics.rpc_errors.labels(name, "INVALID_ARGUMENT").inc()
@@ -286,7 +285,10 @@ class DepotService(pb_grpc.BlockManagerServicer):
 
     def refused(self, method: str, e: DepotError, context: Any) -> None:
         """A call refused for its token, in the log for whoever audits the daemon: the first of each
-        kind at once, then at most one line per kind every AUDIT_S with the count in between."""
+        kind at once, then at most one line per kind every AUDIT_S with the count in between.
+        Other errors are the caller's to read, not the operator's: not logged."""
+        if not isinstance(e, (Unauthenticated, PermissionDenied)):
+            return
         key = (method, type(e).__name__)
         now = time.monotonic()
         last, suppressed = self._refusals.get(key, (-AUDIT_S, 0))
@@ -528,8 +530,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             self.own_engine(context, engine_id)
             self.depot.engine_rank(engine_id, rank)
         except DepotError as e:
-            if isinstance(e, (Unauthenticated, PermissionDenied)):
-                self.refused("WorkerStream", e, context)
+            self.refused("WorkerStream", e, context)
             return (engine_id, rank), (status_of(e), str(e))
         return (engine_id, rank), None
 
