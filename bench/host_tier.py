@@ -28,7 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402  (after the OpenMP setting, which is read when the library loads)
 
 from kvdepot import DepotClient, KvLayout, StepBatch
-from kvdepot.handles import remove_shm_files, share_cpu_tensors
+from kvdepot.handles import close_fds, remove_shm_files, share_cpu_tensors, share_cpu_tensors_memfd
 from kvdepot.messages import OpCompleted
 from kvdepot.testing import DaemonProcess
 
@@ -56,21 +56,26 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--handoff", action="store_true", help="reach the daemon at its unix: address and hand the KV memory over as memfds (default: TCP and a /dev/shm file)")
     args = ap.parse_args()
     nb, bs = args.blocks, LAYOUT.block_size
     nbytes = nb * LAYOUT.block_bytes
     host_gib = (2 * nbytes + (64 << 20)) / 2**30
     d = DaemonProcess(args=["--log-level", "warning", "--host-gib", f"{host_gib:.3f}"]).start(timeout_s=120)
     paths: list[str] = []
+    fds: list[int] = []
     try:
-        c = DepotClient(d.tcp, strict=True, deadline_s=30.0)
+        c = DepotClient(d.unix if args.handoff else d.tcp, strict=True, deadline_s=30.0)
         c.register_engine("bench", LAYOUT)
         w = c.worker(0)
         assert w.attached.wait(10)
         whole = torch.randn(LAYOUT.num_layers, nb + 1, LAYOUT.num_kv_heads, bs, 2 * LAYOUT.head_size).to(torch.float16)
         tensors = [whole[l] for l in range(LAYOUT.num_layers)]  # per-layer views of one storage, as vLLM CPU
-        req, paths = share_cpu_tensors(tensors, nb + 1)
-        w.register_kv_caches(req)
+        if args.handoff:
+            req, fds = share_cpu_tensors_memfd(tensors, nb + 1)
+        else:
+            req, paths = share_cpu_tensors(tensors, nb + 1)
+        w.register_kv_caches(req, fds)
         table = list(range(nb + 1))
         offload, onboard, mem, off_ratio, on_ratio = [], [], [], [], []
         memcpy = Memcpy(nbytes)
@@ -117,6 +122,7 @@ def main() -> int:
             "bytes": nbytes,
             "blocks": nb,
             "block_mib": LAYOUT.block_bytes / 2**20,
+            "engine_memory": "handed over (memfd)" if args.handoff else "/dev/shm file",
             "offload_gbps": round(statistics.median(offload), 2),
             "onboard_gbps": round(statistics.median(onboard), 2),
             "memcpy_gbps": round(statistics.median(mem), 2),
@@ -128,6 +134,7 @@ def main() -> int:
         c.close()
     finally:
         remove_shm_files(paths)
+        close_fds(fds)
         d.stop()
     return 0
 

@@ -23,6 +23,7 @@ import grpc
 
 from kvdepot import messages as m
 from kvdepot.errors import DepotError, NotFound, from_rpc_error
+from kvdepot.handoff import hand_over, handoff_path
 from kvdepot.lane import AsyncLane, Lane, LocalRpcError
 from kvdepot.layout import KvLayout
 from kvdepot.tls import Tls, channel
@@ -288,6 +289,7 @@ class DepotClient(_ClientCore):
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._workers: list[WorkerLink] = []
+        self._token = token  # for the handoff socket, which carries no metadata
         self._session = _Session(self._stub, deadline_s / 4, self._closed)
         self._session.supported = session
         self._lane = Lane(address, enabled=lane and session, token=token, tls=tls.ssl_context() if tls is not None else None)
@@ -476,15 +478,20 @@ class WorkerLink:
         self.attached = threading.Event()
         self._call: Any = None
         self._kv: pb.RegisterKvCachesRequest | None = None
+        self._fds: list[int] = []
         self._kv_engine = ""  # the engine id the KV caches were last registered under
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-worker-{rank}", daemon=True)
         self._thread.start()
 
-    def register_kv_caches(self, req: pb.RegisterKvCachesRequest) -> bool:
+    def register_kv_caches(self, req: pb.RegisterKvCachesRequest, fds: Sequence[int] = ()) -> bool:
         """Hands this rank's KV tensors (kvdepot.handles) to the daemon, now and again after every
-        re-registration of the engine. False when the daemon refused them or is not reachable yet
-        (the link keeps trying); an error instead when the client is strict."""
-        self._kv = req
+        re-registration of the engine. `fds`: the memfds of share_cpu_tensors_memfd, one per
+        storage, handed over on the daemon's handoff socket each time (the client must reach the
+        daemon at unix:PATH; the link keeps them open). False when the daemon refused them or is
+        not reachable yet (the link keeps trying); an error instead when the client is strict."""
+        if fds and (handoff_path(self.client.address) is None or len(fds) != len(req.storages)):
+            raise ValueError("descriptors go to a daemon reached at unix:PATH, one per storage of the registration")
+        self._kv, self._fds = req, list(fds)
         return self._register_kv(self.client.engine_id, raise_errors=True)
 
     def _register_kv(self, engine_id: str, raise_errors: bool = False) -> bool:
@@ -495,8 +502,13 @@ class WorkerLink:
         req = pb.RegisterKvCachesRequest()
         req.CopyFrom(self._kv)
         req.engine_id, req.rank = engine_id, self.rank
+        timeout = max(self.client.admin_deadline_s, 5.0)
         try:
-            self.client._stub.RegisterKvCaches(req, timeout=max(self.client.admin_deadline_s, 5.0))
+            if self._fds:  # handed over again each time: a restarted daemon holds none of them
+                ids = hand_over(handoff_path(self.client.address) or "", self._fds, self.client._token, timeout)
+                for storage, handoff_id in zip(req.storages, ids):
+                    storage.cpu_shm.handoff_id = handoff_id
+            self.client._stub.RegisterKvCaches(req, timeout=timeout)
         except grpc.RpcError as e:
             if raise_errors and self.client.strict:
                 raise from_rpc_error(e) from None

@@ -4,21 +4,25 @@
                                  bytes are copied there and the tensor is re-pointed with set_(), so
                                  the engine keeps using the same tensor objects; tensors that shared
                                  a storage (vLLM CPU's per-layer views) keep sharing one file
+    share_cpu_tensors_memfd(...) the same onto sealed memfds, handed to the daemon over its handoff
+                                 socket (a daemon reached at unix:PATH): no file, no shared user
     export_cuda_tensors(tensors) torch's CUDA IPC sharing fields, per storage
     remove_shm_files(paths)      unlinks what share_cpu_tensors created (also done at interpreter exit;
                                  the mappings stay valid, the files only serve a daemon that restarts)
     remove_stale_files()         unlinks files of engine processes that died without exiting (done
                                  by share_cpu_tensors)
 
-Both return a pb.RegisterKvCachesRequest without engine id and rank, ready for register_kv_caches.
+They return a pb.RegisterKvCachesRequest without engine id and rank, ready for register_kv_caches.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
+import mmap
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -59,30 +63,63 @@ def _tensor_pb(name: str, t: torch.Tensor, storage: int) -> pb.KvTensor:
 def share_cpu_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = ()) -> tuple[pb.RegisterKvCachesRequest, list[str]]:
     """Moves CPU tensors onto /dev/shm files; returns the registration and the files' paths."""
     remove_stale_files()
+    paths: list[str] = []
+
+    def onto_file(nbytes: int) -> tuple[torch.Tensor, pb.CpuShmHandle]:
+        path = os.path.join(SHM_DIR, f"kvdepot-{os.getpid()}-{uuid.uuid4().hex[:12]}.kv")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        paths.append(path)
+        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), pb.CpuShmHandle(path=path, offset=0, size=nbytes)
+
+    req = _move_cpu_tensors(tensors, num_blocks, names, onto_file)
+    atexit.register(remove_shm_files, list(paths))
+    return req, paths
+
+
+def share_cpu_tensors_memfd(tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = ()) -> tuple[pb.RegisterKvCachesRequest, list[int]]:
+    """Moves CPU tensors onto memfds sealed against shrinking, for a daemon reached at unix:PATH:
+    returns the registration and the descriptors, one per storage in its order, which
+    WorkerLink.register_kv_caches hands over. Nothing lands in /dev/shm (nor counts against its
+    size limit), and the memory goes when the last process holding it does."""
+    fds: list[int] = []
+
+    def onto_memfd(nbytes: int) -> tuple[torch.Tensor, pb.CpuShmHandle]:
+        fd = os.memfd_create("kvdepot-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fds.append(fd)
+        os.ftruncate(fd, max(nbytes, 1))
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)  # the daemon maps it: it must never shrink
+        mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], pb.CpuShmHandle(offset=0, size=nbytes)
+
+    try:
+        return _move_cpu_tensors(tensors, num_blocks, names, onto_memfd), fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def _move_cpu_tensors(
+    tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str], make: Callable[[int], tuple[torch.Tensor, pb.CpuShmHandle]]
+) -> pb.RegisterKvCachesRequest:
+    """Copies each storage's bytes into shared memory from `make` and re-points the tensors there."""
     storages, which = _group(tensors)
     moved: list[torch.UntypedStorage] = []
-    paths: list[str] = []
     handles = []
     for s in storages:
         if s.device.type != "cpu":
             raise ValueError("share_cpu_tensors takes CPU tensors; use export_cuda_tensors for CUDA")
-        path = os.path.join(SHM_DIR, f"kvdepot-{os.getpid()}-{uuid.uuid4().hex[:12]}.kv")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, max(s.nbytes(), 1))
-        finally:
-            os.close(fd)
-        paths.append(path)
-        shm = torch.from_file(path, shared=True, size=s.nbytes(), dtype=torch.uint8)
+        shm, handle = make(s.nbytes())
         shm.copy_(torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),)))  # type: ignore[call-overload]
         moved.append(shm.untyped_storage())
-        handles.append(pb.KvStorage(cpu_shm=pb.CpuShmHandle(path=path, offset=0, size=s.nbytes())))
+        handles.append(pb.KvStorage(cpu_shm=handle))
     for t, i in zip(tensors, which):
         t.set_(moved[i], t.storage_offset(), t.size(), t.stride())
-    atexit.register(remove_shm_files, list(paths))
     names = list(names) or [f"layer{i}" for i in range(len(tensors))]
-    req = pb.RegisterKvCachesRequest(num_blocks=num_blocks, storages=handles, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)])
-    return req, paths
+    return pb.RegisterKvCachesRequest(num_blocks=num_blocks, storages=handles, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)])
 
 
 def export_cuda_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = ()) -> pb.RegisterKvCachesRequest:
@@ -127,6 +164,15 @@ def remove_stale_files(shm_dir: str = SHM_DIR) -> list[str]:
         except OSError:  # alive under another user (EPERM), or the file went away
             continue
     return removed
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    """Closes what share_cpu_tensors_memfd returned (the tensors keep their memory)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def remove_shm_files(paths: Sequence[str]) -> None:

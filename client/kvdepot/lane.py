@@ -21,8 +21,10 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from kvdepot.v1 import kvdepot_pb2 as pb
 
@@ -31,6 +33,7 @@ FRAME = struct.Struct("<I")
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 WILDCARD = ("0.0.0.0", "[::]", "::", "")
 MAX_BACKOFF_S = 30.0
+M = TypeVar("M", bound=Message)
 
 
 class LocalRpcError(grpc.RpcError):
@@ -69,13 +72,13 @@ def pick(address: str, lanes: Sequence[str]) -> Target | None:
     return ("tcp", host.strip("[]"), int(port_of))
 
 
-def answer(body: bytes | memoryview) -> pb.SessionResponse:
-    """An answer frame's bytes: the SessionResponse, or the daemon's error raised as LocalRpcError."""
+def answer(body: bytes | memoryview, kind: type[M] = pb.SessionResponse) -> M:
+    """An answer frame's bytes: the message, or the daemon's error raised as LocalRpcError."""
     if not body:
-        raise LocalRpcError(grpc.StatusCode.INTERNAL, "the lane answered an empty frame")
+        raise LocalRpcError(grpc.StatusCode.INTERNAL, "the daemon answered an empty frame")
     if body[0]:
         raise LocalRpcError(CODES.get(body[0], grpc.StatusCode.UNKNOWN), bytes(body[1:]).decode(errors="replace"))
-    return pb.SessionResponse.FromString(body[1:])
+    return kind.FromString(body[1:])
 
 
 class _LaneBase:

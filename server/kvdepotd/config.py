@@ -40,6 +40,7 @@ class DaemonConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     auth_file: str = ""
+    shm_paths: bool = True
     eviction_policy: str = "leaf-lru"
     drain_grace_s: float = 10.0
     log_level: str = "info"
@@ -89,6 +90,9 @@ HELP: dict[str, str] = {
     "auth_file": "TOML file of tokens: every call must carry one (metadata 'authorization: Bearer TOKEN'); a "
     "namespace's token registers and drives engines of that namespace only, an admin token may do everything. "
     "Re-read on SIGHUP. Empty (the default): no tokens, any caller may do everything (see the README)",
+    "shm_paths": "accept CPU KV memory named by a /dev/shm path (the daemon opens any such file of its own user); "
+    "false: only memory handed over on the handoff socket beside a unix: listen address, which a worker can do "
+    "only for memory it holds (set it false when tenants share a daemon). Default true",
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
@@ -190,6 +194,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "tls_key": _path,
     "tls_client_ca": _path,
     "auth_file": _path,
+    "shm_paths": _bool,
     "eviction_policy": _choice("leaf-lru"),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),

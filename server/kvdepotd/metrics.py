@@ -109,6 +109,9 @@ class Metrics:
         )
         self._calls = {(m, t): self.engine_calls.labels(m, t) for m in ("Lookup", "Step") for t in ("lane", "session", "unary")}
         self.lane_connections = Gauge("kvdepot_lane_connections", "open connections on the lanes", registry=self.registry)
+        self.handoff_pending = Gauge(
+            "kvdepot_handoff_pending_descriptors", "KV memory descriptors handed over and not registered yet", registry=self.registry
+        )
         self._copy = {k: (self.copy_bytes.labels(k), self.copy_seconds.labels(k), self.copy_queued_seconds.labels(k)) for k in ("load", "store")}
         self._ops = {(k, ok): self.op_seconds.labels(k, "ok" if ok else "failed") for k in ("load", "store") for ok in (True, False)}
         self.recovery: Any = _NoRecovery()

@@ -32,6 +32,7 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.auth import AuthError, Tokens
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
+from kvdepotd.handoff import Handoffs
 from kvdepotd.lane import Lanes, unix_path
 from kvdepotd.metrics import Metrics
 from kvdepotd.service import DepotService, safe_parser
@@ -193,6 +194,9 @@ class Daemon:
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.lanes = Lanes(self.service.answer, cfg.max_message_mib << 20)
+        self.handoffs = Handoffs(lambda: self.service.auth)
+        self.metrics.handoff_pending.set_function(self.handoffs.pending)
+        self.service.shm_paths = cfg.shm_paths
         self.metrics.lane_connections.set_function(self.lanes.open_connections)
         self.addresses: list[str] = []
         self.metrics_address = ""
@@ -239,6 +243,17 @@ class Daemon:
                 except OSError as e:
                     raise StartupError(f"cannot open the lane beside {addr}: {e.strerror}") from None
             self.service.lanes = self.lanes.addresses
+        for addr in self.addresses:
+            if addr.startswith("unix:"):
+                _prepare_unix(addr + ".handoff")
+                try:
+                    self.handoffs.listen(addr)
+                except OSError as e:
+                    raise StartupError(f"cannot open the handoff socket beside {addr}: {e.strerror}") from None
+        if self.handoffs.addresses:
+            self.service.handoffs = self.handoffs
+        elif not self.cfg.shm_paths:
+            log.warning("shm_paths is false and no unix: address has a handoff socket: engines on CPU cannot register their KV memory")
         self.service.start()
         gc.collect()
         gc.freeze()
@@ -247,6 +262,8 @@ class Daemon:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         tls = "" if creds is None else (" with TLS on TCP" + (", client certificates required" if self.cfg.tls_client_ca else ""))
         lanes = f" (lanes {', '.join(self.lanes.addresses)})" if self.lanes.addresses else ""
+        if self.handoffs.addresses:
+            lanes += f" (KV memory handoff {', '.join(self.handoffs.addresses)})"
         log.info("kvdepotd serving on %s%s%s", ", ".join(self.addresses), tls, lanes)
         self._log_tokens(self.service.auth)
         if self.service.auth is not None and creds is None and any(not a.startswith("unix:") for a in self.addresses):
@@ -324,6 +341,7 @@ class Daemon:
             await self.start()
         except StartupError:  # e.g. a lane port that is taken: what did start is stopped first
             self.lanes.close()
+            self.handoffs.close()
             if self.server is not None:
                 await self.server.stop(None)
             if self._metrics_http is not None:
@@ -347,13 +365,14 @@ class Daemon:
         log.info("%s: draining (health NOT_SERVING, grace %.1f s)", why, self.cfg.drain_grace_s)
         await self.health.enter_graceful_shutdown()
         self.lanes.close()
+        self.handoffs.close()
         if self.server is not None:
             await self.service.close(self.cfg.drain_grace_s)
             await self.server.stop(self.cfg.drain_grace_s)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
         self.arena.close()
-        for addr in self.addresses + self.lanes.addresses:
+        for addr in self.addresses + self.lanes.addresses + self.handoffs.addresses:
             if addr.startswith("unix:"):
                 with contextlib.suppress(OSError):
                     os.unlink(unix_path(addr))

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -33,6 +34,9 @@ from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer import Faults, HostCopyEngine, PartDone
 from kvdepotd.transfer.disk import DiskCopyEngine
 from kvdepotd.transfer.mapping import RankMapping, map_rank, populate
+
+if TYPE_CHECKING:
+    from kvdepotd.handoff import Handoffs
 
 log = logging.getLogger("kvdepotd")
 T = TypeVar("T")
@@ -126,6 +130,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._closing = False
         self.lanes: list[str] = []  # the lane addresses (kvdepotd.lane), told to engines as they register
         self.auth: Tokens | None = None  # None: no tokens asked for, every caller may do everything
+        self.handoffs: Handoffs | None = None  # descriptors handed over beside unix addresses (kvdepotd.handoff)
+        self.shm_paths = True  # False: cpu_shm memory only as handed-over descriptors, never by path
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # (method, error) -> (last logged, since)
         self._stop_populating = threading.Event()
 
@@ -373,14 +379,20 @@ class DepotService(pb_grpc.BlockManagerServicer):
     async def RegisterKvCaches(self, request: pb.RegisterKvCachesRequest, context: grpc.aio.ServicerContext) -> pb.RegisterKvCachesResponse:
         engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
         eng = self.depot.engine_rank(engine_id, request.rank)
-        # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
-        mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, request)
+        fds = self._claim(request, eng.namespace)
+        try:
+            # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
+            mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, request, fds)
+        finally:
+            for fd in fds.values():
+                os.close(fd)  # a mapping holds its own reference
         self.depot.engine_rank(engine_id, request.rank)  # still registered after the wait
         self.copy.add_mapping(mapping)
         self._touch_lease(engine_id)
         log.info(
-            "engine %s rank %d mapped %d tensors (%d blocks, %.1f MiB) on %s",
+            "engine %s rank %d mapped %d tensors (%d blocks, %.1f MiB) on %s%s",
             engine_id, request.rank, len(request.tensors), mapping.num_blocks, mapping.mapped_bytes / 2**20, mapping.device,
+            " (memory handed over)" if fds else "",
         )
         # Its pages are faulted in meanwhile, so the first copies run at full speed (not awaited: the
         # engine goes on starting; a copy that comes first faults its own pages in as before).
@@ -388,6 +400,24 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self._populating.add(task)
         task.add_done_callback(self._populating.discard)
         return pb.RegisterKvCachesResponse(mapped_bytes=mapping.mapped_bytes)
+
+    def _claim(self, request: pb.RegisterKvCachesRequest, namespace: str) -> dict[str, int]:
+        """The descriptors the request's handoff ids name (the caller closes them), or none."""
+        shm = [s.cpu_shm for s in request.storages if s.WhichOneof("handle") == "cpu_shm"]
+        if not self.shm_paths and any(not h.handoff_id for h in shm):
+            raise InvalidRequest("this daemon takes CPU KV memory only as descriptors handed over on its handoff socket, not by path (shm_paths = false)")
+        fds: dict[str, int] = {}
+        try:
+            for h in shm:
+                if h.handoff_id and h.handoff_id not in fds:
+                    if self.handoffs is None:
+                        raise InvalidRequest("this daemon has no handoff socket (it listens on no unix: address): name the memory by path")
+                    fds[h.handoff_id] = self.handoffs.claim(h.handoff_id, namespace)
+        except DepotError:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        return fds
 
     async def _populate(self, mapping: RankMapping) -> None:
         t0 = time.monotonic()

@@ -12,9 +12,12 @@ from kvdepot.testing import DaemonProcess, FakeEngine
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16)
 
 
-def attached_engine(d: DaemonProcess, lay: KvLayout, model: str, strict: bool = True, deadline_s: float = 5.0, **kw: object) -> FakeEngine:
-    """A FakeEngine registered with the daemon as `model`, its workers' streams attached."""
-    c = DepotClient(d.tcp, strict=strict, deadline_s=deadline_s)
+def attached_engine(
+    d: DaemonProcess, lay: KvLayout, model: str, strict: bool = True, deadline_s: float = 5.0, address: str = "", **kw: object
+) -> FakeEngine:
+    """A FakeEngine registered with the daemon as `model` (at `address`, else its TCP one), its
+    workers' streams attached."""
+    c = DepotClient(address or d.tcp, strict=strict, deadline_s=deadline_s)
     c.register_engine(model, lay)
     e = FakeEngine(c, layout=lay, **kw)  # type: ignore[arg-type]
     for w in e.workers:

@@ -18,11 +18,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvdepot import AsyncDepotClient, DepotClient, KvLayout, PermissionDenied, StepBatch, Unauthenticated
+from kvdepot.handles import close_fds, share_cpu_tensors_memfd
+from kvdepot.handoff import hand_over, handoff_path
+from kvdepot.lane import LocalRpcError
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
@@ -54,8 +58,8 @@ def daemon(tokens_file: Path) -> Iterator[DaemonProcess]:
     assert "Traceback" not in d.log(), d.log()
 
 
-def engine(d: DaemonProcess, token: str, model: str) -> FakeEngine:
-    c = DepotClient(d.tcp, strict=True, deadline_s=5.0, token=token)
+def engine(d: DaemonProcess, token: str, model: str, address: str = "") -> FakeEngine:
+    c = DepotClient(address or d.tcp, strict=True, deadline_s=5.0, token=token)
     c.register_engine(model, KV)
     e = FakeEngine(c, layout=KV)
     for w in e.workers:
@@ -194,6 +198,36 @@ def test_a_lane_connection_acts_only_after_an_accepted_hello(daemon: DaemonProce
             bad._lane.call(lookup, 5.0)
         assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
         assert bad._lane._sock is None  # and is not kept
+
+
+def test_handed_over_memory_needs_a_token_and_stays_in_its_namespace(daemon: DaemonProcess) -> None:
+    path = handoff_path(daemon.unix)
+    assert path is not None
+    kv = torch.zeros(2, 4, 2, 16, 16, dtype=torch.float16)  # vllm_cpu: [layers][blocks, heads, block, 2*head]
+    req, fds = share_cpu_tensors_memfd([kv[0], kv[1]], num_blocks=4)
+    try:
+        for token, code in (("", grpc.StatusCode.UNAUTHENTICATED), ("not-a-token-0123456789", grpc.StatusCode.UNAUTHENTICATED)):
+            with pytest.raises(LocalRpcError) as info:
+                hand_over(path, fds, token)
+            assert info.value.code() is code
+        with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=B) as b:
+            b.register_engine("m-handoff-b", KV)
+            [handoff_id] = hand_over(path, fds, A)  # team-a's memory
+            req.engine_id = b.engine_id
+            req.storages[0].cpu_shm.handoff_id = handoff_id
+            with pytest.raises(grpc.RpcError) as rpc:
+                b._stub.RegisterKvCaches(req, timeout=5)
+            assert rpc.value.code() is grpc.StatusCode.PERMISSION_DENIED and "team-a" in rpc.value.details()
+    finally:
+        close_fds(fds)
+    e = engine(daemon, A, "m-handoff-a", address=daemon.unix)  # a FakeEngine with a token, over the handoff
+    assert e.kv is not None and e.kv.fds
+    p = list(range(600, 700))
+    e.generate(p, max_new_tokens=1)
+    e.reset_prefix_cache()
+    e.generate(p, max_new_tokens=1)
+    assert e.stats.loaded_tokens == 96 and e.stats.kv_mismatched_tokens == 0
+    close_engine(e)
 
 
 def test_sighup_rotates_tokens(tokens_file: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -157,6 +157,7 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
         while "kvdepot_lane_connections 0.0" not in (body := scrape()) and time.monotonic() < end:
             time.sleep(0.05)  # the daemon's loop sees the closed connection on its own time
     assert "kvdepot_lane_connections 0.0" in body
+    assert "kvdepot_handoff_pending_descriptors 0.0" in body
     assert "kvdepot_lookups_total 3.0" in body
     assert "kvdepot_checksum_failures_total 0.0" in body  # every counter exists from the start
     assert 'kvdepot_pool_capacity_blocks{layout_class="L2xH2xD8xfloat16xB16xW1",tier="host"}' in body

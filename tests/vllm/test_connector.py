@@ -48,7 +48,7 @@ def admin(daemon: DaemonProcess, llm: LLM) -> Iterator[DepotClient]:
     c.close()
 
 
-def test_cold_then_reset_is_served_by_the_daemon(llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:
+def test_cold_then_reset_is_served_by_the_daemon(daemon: DaemonProcess, llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:
     before = counters(admin)
     [(cold, cached)] = generate(llm, [P])
     assert cold == expected["P"] and cached == 0
@@ -60,6 +60,7 @@ def test_cold_then_reset_is_served_by_the_daemon(llm: LLM, admin: DepotClient, e
     assert after["stored_blocks"] - before["stored_blocks"] == 3
     assert after["loaded_blocks"] - before["loaded_blocks"] == 3
     assert after["load_failed_blocks"] == before["load_failed_blocks"]
+    assert "(memory handed over)" in daemon.log()  # at unix:PATH the worker handed over memfds
 
 
 def test_mixed_local_64_external_32_never_stores_the_local_blocks_again(llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvdepot.client import DepotClient, WorkerLink
+from kvdepot.handoff import handoff_path
 from kvdepot.hashing import block_hashes, salt_hash, tokens_to_bytes
 from kvdepot.layout import KvLayout
 from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult, cached_update_needed
@@ -82,7 +83,8 @@ class FakeEngine:
         release_timeout_s: float = 35.0,
     ) -> None:
         """`layout` with a kind other than "none" gives the engine real KV tensors (FakeKv) that its
-        forward writes and the daemon reads and fills through registered /dev/shm handles."""
+        forward writes and the daemon reads and fills through registered shared memory: memfds
+        handed over when the client reaches the daemon at unix:PATH, /dev/shm files otherwise."""
         self.client = client
         self.bs = block_size
         self.num_blocks = num_blocks
@@ -98,8 +100,9 @@ class FakeEngine:
             self.kv = FakeKv(layout, num_blocks)
         self.workers: list[WorkerLink] = [client.worker(r) for r in range(world_size)] if use_depot else []
         if self.kv is not None:
-            for w, req in zip(self.workers, self.kv.share()):
-                w.register_kv_caches(req)
+            memfd = handoff_path(client.address) is not None  # as the vLLM connector does
+            for rank, (w, req) in enumerate(zip(self.workers, self.kv.share(memfd))):
+                w.register_kv_caches(req, self.kv.fds[rank] if memfd else ())
         self.refs = [0] * num_blocks
         self.block_hash: dict[int, int] = {}  # block -> hash of the full block it holds (cached)
         self.cache: dict[int, int] = {}  # hash -> block (own prefix cache)

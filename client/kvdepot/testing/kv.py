@@ -26,6 +26,7 @@ class FakeKv:
         self.ranks: list[list[torch.Tensor]] = [self._alloc() for _ in range(layout.world_size)]
         self.requests: list[pb.RegisterKvCachesRequest] = []
         self.paths: list[str] = []
+        self.fds: list[list[int]] = []
 
     def _alloc(self) -> list[torch.Tensor]:
         L, H, D, bs, nb, dt = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_size, self.layout.block_size, self.num_blocks, self.dtype
@@ -38,17 +39,25 @@ class FakeKv:
             return [torch.full((nb, L, 2, bs, H, D), POISON, dtype=dt)]
         raise ValueError(f"FakeKv needs a layout with tensors, not {self.layout.kind!r}")
 
-    def share(self) -> list[pb.RegisterKvCachesRequest]:
-        """Moves every rank's tensors onto /dev/shm and returns their registrations."""
+    def share(self, memfd: bool = False) -> list[pb.RegisterKvCachesRequest]:
+        """Moves every rank's tensors onto /dev/shm files (or sealed memfds: their descriptors are
+        in `fds`, per rank) and returns their registrations."""
         for tensors in self.ranks:
-            req, paths = handles.share_cpu_tensors(tensors, self.num_blocks)
+            if memfd:
+                req, fds = handles.share_cpu_tensors_memfd(tensors, self.num_blocks)
+                self.fds.append(fds)
+            else:
+                req, paths = handles.share_cpu_tensors(tensors, self.num_blocks)
+                self.paths += paths
             self.requests.append(req)
-            self.paths += paths
         return self.requests
 
     def close(self) -> None:
         handles.remove_shm_files(self.paths)
         self.paths = []
+        for fds in self.fds:
+            handles.close_fds(fds)
+        self.fds = []
 
     # -- values ---------------------------------------------------------------------------------
     def expected(self, tokens: list[int], positions: range, rank: int) -> torch.Tensor:

@@ -124,14 +124,16 @@ class UnregisterEngineResponse(_message.Message):
     def __init__(self, released_slots: _Optional[int] = ...) -> None: ...
 
 class CpuShmHandle(_message.Message):
-    __slots__ = ("path", "offset", "size")
+    __slots__ = ("path", "offset", "size", "handoff_id")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     size: int
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    handoff_id: str
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., handoff_id: _Optional[str] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "size", "offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
@@ -318,6 +320,20 @@ class Hello(_message.Message):
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     token: str
     def __init__(self, token: _Optional[str] = ...) -> None: ...
+
+class HandoffRequest(_message.Message):
+    __slots__ = ("token", "fds")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FDS_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    fds: int
+    def __init__(self, token: _Optional[str] = ..., fds: _Optional[int] = ...) -> None: ...
+
+class HandoffResponse(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("lookup", "step", "hello")

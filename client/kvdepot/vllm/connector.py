@@ -12,8 +12,10 @@ Scheduler (EngineCore process)
                                 apart, so the blocks vLLM already had are never stored again
     request_finished            delays the free while an op of the request may still touch its blocks
 Worker (each worker process)
-    register_kv_caches          moves CPU KV tensors onto /dev/shm (set_()) or exports CUDA IPC
-                                handles, and registers them under the engine's shared key
+    register_kv_caches          moves CPU KV tensors onto shared memory (set_()): memfds handed over
+                                on the daemon's handoff socket when `address` is unix:PATH, /dev/shm
+                                files otherwise; or exports CUDA IPC handles; then registers them
+                                under the engine's shared key
     start_load_kv               waits for this step's synchronous loads (never past the op's deadline)
     wait_for_save               reports forward-done (CPU) or records an interprocess CUDA event
     get_finished / get_block_ids_with_load_errors   from the daemon's completion stream
@@ -42,6 +44,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvdepot import handles
 from kvdepot.client import DepotClient, WorkerLink
 from kvdepot.errors import DepotError
+from kvdepot.handoff import handoff_path
 from kvdepot.layout import KvLayout
 from kvdepot.messages import LoadCopied, OpCompleted, RequestReleased, StepBatch, StepResult, cached_update_needed
 from kvdepot.vllm.config import ConnectorConfig
@@ -485,6 +488,7 @@ class _Worker:
         self.ready: set[str] = set()  # may be reported finished sending once vLLM said it finished
         self.new_completed: set[int] = set()
         self.paths: list[str] = []
+        self.fds: list[int] = []
         self.not_attached_since: float | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -500,13 +504,15 @@ class _Worker:
         self.cuda = tensors[0].is_cuda
         if self.cuda:
             req = handles.export_cuda_tensors(tensors, num_blocks, names)
+        elif handoff_path(self.cfg.address) is not None:  # memfds handed over: no file in /dev/shm, any user
+            req, self.fds = handles.share_cpu_tensors_memfd(tensors, num_blocks, names)
         else:
             req, self.paths = handles.share_cpu_tensors(tensors, num_blocks, names)
         self.client = _connect(self.cfg, self.layout, self.model, self.key, f"{self.cfg.engine_name}-worker-{self.rank}")
         if self.client is None:
             return
         self.link = self.client.worker(self.rank)
-        if not self.link.register_kv_caches(req) and self.client.engine_id:
+        if not self.link.register_kv_caches(req, self.fds) and self.client.engine_id:
             log.error("kvdepot: worker %d: the daemon refused the KV caches; loads and stores stay off", self.rank)
 
     # events ---------------------------------------------------------------------------------------
@@ -639,6 +645,8 @@ class _Worker:
         if self.client is not None:
             self.client.close()
         handles.remove_shm_files(self.paths)
+        handles.close_fds(self.fds)
+        self.fds = []
 
 
 __all__ = ["KvDepotConnector", "KvDepotMetadata", "KvDepotWorkerMetadata", "LoadJob", "layout_of"]

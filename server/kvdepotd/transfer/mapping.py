@@ -2,7 +2,8 @@
 contiguous runs (address, bytes) to copy, in host-block order.
 
 Handles are validated before anything is mapped: a cpu_shm path must be a regular file directly
-under /dev/shm that only its owner can read (mode 0600), owned by the daemon's own user; the views
+under /dev/shm that only its owner can read (mode 0600), owned by the daemon's own user (or the
+handle names a sealed memfd handed over on the handoff socket, see kvdepotd.handoff); the views
 must fit in their storages, and the shapes must match the engine's layout. A bad handle is
 INVALID_ARGUMENT, never a crash: every address the copy engine will touch is checked here, once.
 """
@@ -15,6 +16,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +65,10 @@ class RankMapping:
         return self.storage_bytes[storage].as_strided((nruns, nbytes), (gap, 1), first + bid * block_stride)
 
 
-def _open_cpu_shm(h: pb.CpuShmHandle) -> tuple[torch.UntypedStorage, int]:
+def _open_cpu_shm(h: pb.CpuShmHandle, fds: Mapping[str, int]) -> tuple[torch.UntypedStorage, int]:
     """The mapped file and the address where the storage starts in it."""
+    if h.handoff_id:
+        return _open_handed(h, fds[h.handoff_id])
     path = os.path.realpath(h.path)
     if os.path.dirname(path) != SHM_DIR:
         raise InvalidRequest(f"cpu_shm path {h.path!r} is not a file directly under {SHM_DIR}")
@@ -86,6 +90,19 @@ def _open_cpu_shm(h: pb.CpuShmHandle) -> tuple[torch.UntypedStorage, int]:
     return storage, storage.data_ptr() + h.offset
 
 
+def _open_handed(h: pb.CpuShmHandle, fd: int) -> tuple[torch.UntypedStorage, int]:
+    """A memfd the worker handed over (kvdepotd.handoff checked its seal): mapped as it is."""
+    size = os.fstat(fd).st_size
+    if h.size == 0 or h.offset + h.size > size:
+        raise InvalidRequest(f"cpu_shm storage [{h.offset}, {h.offset + h.size}) does not fit the {size}-byte memory handed over")
+    try:
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        raise InvalidRequest(f"the memory handed over as {h.handoff_id[:64]!r} cannot be mapped for writing: {e.strerror}") from None
+    storage = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()  # keeps the mapping alive
+    return storage, storage.data_ptr() + h.offset
+
+
 def _open_cuda_ipc(h: pb.CudaIpcHandle) -> tuple[torch.UntypedStorage, int]:
     if not torch.cuda.is_available():
         raise FailedPrecondition("this daemon has no CUDA device: it cannot map cuda_ipc handles")
@@ -100,7 +117,9 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle) -> tuple[torch.UntypedStorage, int]:
         raise InvalidRequest(f"cuda_ipc handle does not open: {e}") from None
 
 
-def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest) -> RankMapping:
+def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest, fds: Mapping[str, int] | None = None) -> RankMapping:
+    """`fds`: the descriptors of the handoff ids the request names (the caller claimed and closes them)."""
+    fds = fds or {}
     if layout.kind == "none":
         raise FailedPrecondition("the engine registered layout kind 'none': it has no KV tensors to map")
     if not req.storages or not req.tensors or len(req.tensors) > MAX_TENSORS:
@@ -128,7 +147,7 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest) 
         last = (t.storage_offset + r.offset + (req.num_blocks - 1) * r.block_stride + r.length) * esize
         if last > sizes[t.storage]:
             raise InvalidRequest(f"tensor {r.tensor} ({t.name}) reaches byte {last}, past its {sizes[t.storage]}-byte storage")
-    opened = [_open_cpu_shm(s.cpu_shm) if s.WhichOneof("handle") == "cpu_shm" else _open_cuda_ipc(s.cuda_ipc) for s in req.storages]
+    opened = [_open_cpu_shm(s.cpu_shm, fds) if s.WhichOneof("handle") == "cpu_shm" else _open_cuda_ipc(s.cuda_ipc) for s in req.storages]
     runs: list[Run] = []
     host_off = 0
     for r in regions:

@@ -1,0 +1,48 @@
+"""Handing KV memory to a daemon reached at unix:PATH: memfd descriptors over unix:PATH.handoff.
+
+    handoff_path(address)              the handoff socket beside a unix: address, else None
+    hand_over(path, fds, token)        the daemon's ids for the descriptors, in order; raises
+                                       grpc.RpcError (LocalRpcError) as a gRPC call would
+
+See kvdepotd.handoff for the daemon's side and HandoffRequest in the proto for the wire.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+
+import grpc
+
+from kvdepot.lane import FRAME, LocalRpcError, Lane, answer
+from kvdepot.v1 import kvdepot_pb2 as pb
+
+MAX_FDS = 250  # per request: the kernel passes at most 253 descriptors in one message
+
+
+def handoff_path(address: str) -> str | None:
+    if not address.startswith("unix:"):
+        return None
+    path = address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
+    return path + ".handoff"
+
+
+def hand_over(path: str, fds: Sequence[int], token: str = "", timeout_s: float = 5.0) -> list[str]:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            ids: list[str] = []
+            for k in range(0, len(fds), MAX_FDS):
+                part = list(fds[k : k + MAX_FDS])
+                body = pb.HandoffRequest(token=token, fds=len(part)).SerializeToString()
+                socket.send_fds(sock, [FRAME.pack(len(body)) + body], part)
+                (n,) = FRAME.unpack(Lane._recv(sock, FRAME.size))
+                ids += answer(Lane._recv(sock, n), pb.HandoffResponse).ids
+    except TimeoutError:
+        raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the handoff socket {path} did not answer within {timeout_s:.0f} s") from None
+    except OSError as e:
+        raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, f"cannot hand KV memory over at {path}: {e.strerror or e}") from None
+    if len(ids) != len(fds):
+        raise LocalRpcError(grpc.StatusCode.INTERNAL, f"the handoff socket answered {len(ids)} ids for {len(fds)} descriptors")
+    return ids

@@ -1,0 +1,296 @@
+"""KV memory handed over as memfds on the handoff socket (kvdepotd.handoff): engines that reach the
+daemon at unix:PATH register no file, may run as another user, hand their memory over again to a
+restarted daemon; bad handoffs are refused with a status and leave the daemon serving."""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvdepot import DepotClient, KvLayout
+from kvdepot.handles import close_fds, share_cpu_tensors, share_cpu_tensors_memfd
+from kvdepot.handoff import hand_over, handoff_path
+from kvdepot.lane import FRAME, LocalRpcError, answer
+from kvdepot.testing import DaemonProcess, FakeEngine
+from kvdepot.v1 import kvdepot_pb2 as pb
+from tests.integration.conftest import attached_engine, close_engine
+
+pytestmark = pytest.mark.integration
+KINDS = ["vllm_cpu", "vllm_flash", "contiguous"]
+NOBODY = 65534
+
+
+def layout(kind: str = "vllm_cpu") -> KvLayout:
+    return KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind=kind)
+
+
+@pytest.fixture(scope="module")
+def depot() -> Iterator[DaemonProcess]:
+    with DaemonProcess(args=["--host-gib", "0.0625", "--slab-mib", "1"]) as d:
+        yield d
+    assert "Traceback" not in d.log(), d.log()
+
+
+def sock_path(d: DaemonProcess) -> str:
+    path = handoff_path(d.unix)
+    assert path is not None
+    return path
+
+
+def memfd(size: int = 4096, seal: bool = True) -> int:
+    fd = os.memfd_create("test-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def raw_request(d: DaemonProcess, body: bytes, fds: list[int]) -> bytes:
+    """One request on a fresh connection; the answer frame's bytes."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(sock_path(d))
+        socket.send_fds(s, [FRAME.pack(len(body)) + body], fds)
+        (n,) = FRAME.unpack(s.recv(4, socket.MSG_WAITALL))
+        return s.recv(n, socket.MSG_WAITALL)
+
+
+def refused(d: DaemonProcess, fds: list[int], count: int | None = None, token: str = "") -> LocalRpcError:
+    body = pb.HandoffRequest(token=token, fds=len(fds) if count is None else count).SerializeToString()
+    with pytest.raises(LocalRpcError) as info:
+        answer(raw_request(d, body, fds), pb.HandoffResponse)
+    return info.value
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_memory_handed_over_is_loaded_byte_exact(depot: DaemonProcess, kind: str) -> None:
+    files = set(glob.glob(f"/dev/shm/kvdepot-{os.getpid()}-*"))
+    e = attached_engine(depot, layout(kind), "handed-" + kind, address=depot.unix)
+    assert e.kv is not None and e.kv.fds and not e.kv.paths
+    assert set(glob.glob(f"/dev/shm/kvdepot-{os.getpid()}-*")) == files  # no file: memfds
+    p = list(range(300, 500))
+    first = e.generate(p, max_new_tokens=3)
+    e.reset_prefix_cache()
+    second = e.generate(p, max_new_tokens=3)
+    assert e.stats.loaded_tokens == 192 and e.stats.failed_load_blocks == 0
+    assert e.stats.kv_mismatched_tokens == 0 and second.output == first.output
+    e.check()
+    close_engine(e)
+    assert "(memory handed over)" in depot.log()
+
+
+def test_memfd_share_keeps_values_and_cannot_shrink() -> None:
+    tensors = [torch.arange(64, dtype=torch.float32).view(4, 16) + i for i in range(3)]
+    before = [t.clone() for t in tensors]
+    req, fds = share_cpu_tensors_memfd(tensors, num_blocks=4)
+    try:
+        assert len(fds) == len(req.storages) == 3 and all(not s.cpu_shm.path for s in req.storages)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+        tensors[0][0, 0] = 99.0
+        assert os.pread(fds[0], 4, 0) == torch.tensor([99.0]).numpy().tobytes()  # the tensor lives in the memfd
+        with pytest.raises(PermissionError):
+            os.ftruncate(fds[1], 16)  # sealed: the daemon's mapping can never lose pages under it
+    finally:
+        close_fds(fds)
+    tensors[2].add_(1)  # the memory outlives the descriptors
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run an engine as another user")
+def test_an_engine_of_another_user_registers_through_the_handoff(tmp_path: Path) -> None:
+    """Engine and daemon under different users: handed-over memory works, a /dev/shm path does not."""
+    script = tmp_path / "engine.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import json, os, sys
+            from kvdepot import DepotClient, KvLayout
+            from kvdepot.testing import FakeEngine
+            from kvdepot.errors import DepotError
+            os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})  # after the imports: the interpreter may live in root's home
+            lay = KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")
+            c = DepotClient(sys.argv[1], strict=True, deadline_s=5.0)
+            c.register_engine("other-user", lay)
+            try:
+                e = FakeEngine(c, layout=lay)
+            except DepotError as err:
+                print(json.dumps({{"refused": str(err)}}))
+                sys.exit(0)
+            assert e.workers[0].attached.wait(5)
+            p = list(range(300, 500))
+            first = e.generate(p, max_new_tokens=3)
+            e.reset_prefix_cache()
+            second = e.generate(p, max_new_tokens=3)
+            s = e.stats
+            print(json.dumps({{"uid": os.getuid(), "loaded": s.loaded_tokens, "failed": s.failed_load_blocks, "bad": s.kv_mismatched_tokens, "same": first.output == second.output}}))
+            c.close()
+            """
+        )
+    )
+    script.chmod(0o644)
+    tmp_path.chmod(0o755)
+    with DaemonProcess() as d:
+        path = d.unix[len("unix:") :]
+        os.chmod(os.path.dirname(path), 0o711)
+        for p in glob.glob(path + "*"):  # the sockets: as a daemon run with umask 0 would make them
+            os.chmod(p, 0o666)
+
+        def run(address: str) -> dict[str, object]:
+            r = subprocess.run([sys.executable, str(script), address], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr
+            return json.loads(r.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+        assert run(d.unix) == {"uid": NOBODY, "loaded": 192, "failed": 0, "bad": 0, "same": True}
+        out = run(d.tcp)  # over TCP the engine names a /dev/shm file, which is not the daemon user's
+        assert f"belongs to uid {NOBODY}" in str(out["refused"])
+
+
+def test_memory_is_handed_over_again_after_a_daemon_restart() -> None:
+    d = DaemonProcess(args=["--host-gib", "0.0625"]).start()
+    try:
+        c = DepotClient(d.unix, deadline_s=1.0)
+        c.register_engine("restart", layout())
+        e = FakeEngine(c, layout=layout(), release_timeout_s=2.0)
+        assert e.workers[0].attached.wait(5)
+        e.generate(list(range(10, 100)), max_new_tokens=1)
+        d.stop(signal.SIGKILL)
+        d = DaemonProcess(args=["--host-gib", "0.0625"], unix=d.unix).start()
+        end = time.monotonic() + 15
+        while "(memory handed over)" not in d.log() and time.monotonic() < end:  # keeper, stream, then the KV
+            time.sleep(0.05)
+        assert "(memory handed over)" in d.log()
+        p = list(range(1000, 1100))
+        first = e.generate(p, max_new_tokens=2)
+        e.reset_prefix_cache()
+        second = e.generate(p, max_new_tokens=2)
+        assert e.stats.loaded_tokens == 96 and e.stats.kv_mismatched_tokens == 0 and second.output == first.output
+        close_engine(e)
+    finally:
+        d.stop()
+    assert not os.path.exists(sock_path(d))  # a clean shutdown removes the handoff socket too
+
+
+def test_bad_handoffs_are_refused(depot: DaemonProcess) -> None:
+    r, w = os.pipe()
+    unsealed, good = memfd(seal=False), memfd()
+    try:
+        e = refused(depot, [r])
+        assert e.code() is grpc.StatusCode.INVALID_ARGUMENT and "not a memfd sealed against shrinking" in e.details()
+        assert "descriptor 0" in refused(depot, [unsealed]).details()
+        assert "says 2 descriptors and 1 came" in refused(depot, [good], count=2).details()
+        assert "no descriptors" in refused(depot, [], count=0).details()
+        with pytest.raises(LocalRpcError) as info:
+            answer(raw_request(depot, b"\xff\xff\xff", [good]), pb.HandoffResponse)
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "not a HandoffRequest" in info.value.details()
+        with socket.socket(socket.AF_UNIX) as s:  # a frame longer than any request: refused, the connection ended
+            s.settimeout(5)
+            s.connect(sock_path(depot))
+            s.sendall(FRAME.pack(1 << 20) + b"x" * 100)
+            (n,) = FRAME.unpack(s.recv(4, socket.MSG_WAITALL))
+            with pytest.raises(LocalRpcError, match="over 4096 bytes"):
+                answer(s.recv(n, socket.MSG_WAITALL))
+            assert s.recv(1) == b""
+    finally:
+        for fd in (r, w, unsealed, good):
+            os.close(fd)
+    with DepotClient(depot.tcp, strict=True, deadline_s=5.0) as c:
+        c.register_engine("bad-handoff", layout("contiguous"))
+        kv = torch.zeros(4, 3, 2, 16, 2, 8, dtype=torch.float16)
+        req, fds = share_cpu_tensors_memfd([kv], num_blocks=4)
+        try:
+            [handoff_id] = hand_over(sock_path(depot), fds)
+            req.engine_id = c.engine_id
+            req.storages[0].cpu_shm.handoff_id = "0" * 32
+            with pytest.raises(grpc.RpcError) as rpc:
+                c._stub.RegisterKvCaches(req, timeout=5)
+            assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "names no descriptor" in rpc.value.details()
+            req.storages[0].cpu_shm.handoff_id = handoff_id
+            req.storages[0].cpu_shm.size = 10**9
+            with pytest.raises(grpc.RpcError) as rpc:
+                c._stub.RegisterKvCaches(req, timeout=5)
+            assert "does not fit" in rpc.value.details()
+            [handoff_id] = hand_over(sock_path(depot), fds)  # the refused registration used the last one up
+            req.storages[0].cpu_shm.handoff_id = handoff_id
+            req.storages[0].cpu_shm.size = kv.untyped_storage().nbytes()
+            assert c._stub.RegisterKvCaches(req, timeout=5).mapped_bytes == kv.untyped_storage().nbytes()
+            with pytest.raises(grpc.RpcError) as rpc:  # an id is claimed once
+                c._stub.RegisterKvCaches(req, timeout=5)
+            assert "names no descriptor" in rpc.value.details()
+        finally:
+            close_fds(fds)
+        assert c.stats().engines >= 1  # still serving
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.binary(max_size=64), nfds=st.integers(0, 3), count=st.integers(0, 4))
+def test_arbitrary_handoff_requests_get_an_answer(depot: DaemonProcess, body: bytes, nfds: int, count: int) -> None:
+    fds = [memfd() for _ in range(nfds)]
+    try:
+        req = pb.HandoffRequest(fds=count).SerializeToString() + body
+        try:
+            ids = answer(raw_request(depot, req, fds), pb.HandoffResponse).ids
+            assert len(ids) == nfds > 0  # (the bytes after the request may set its count again)
+        except LocalRpcError as e:
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), e
+    finally:
+        close_fds(fds)
+
+
+def test_without_shm_paths_only_handed_over_memory_is_taken() -> None:
+    with DaemonProcess(args=["--shm-paths", "false"]) as d:
+        with DepotClient(d.tcp, strict=True, deadline_s=5.0) as c:
+            c.register_engine("paths-off", layout())
+            req, paths = share_cpu_tensors([torch.zeros(4, 2, 16, 16, dtype=torch.float16) for _ in range(3)], num_blocks=4)
+            req.engine_id = c.engine_id
+            with pytest.raises(grpc.RpcError) as rpc:
+                c._stub.RegisterKvCaches(req, timeout=5)
+            assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "shm_paths = false" in rpc.value.details()
+            for p in paths:
+                os.unlink(p)
+        e = attached_engine(d, layout(), "paths-off-handed", address=d.unix)
+        p = list(range(50, 150))
+        e.generate(p, max_new_tokens=1)
+        e.reset_prefix_cache()
+        e.generate(p, max_new_tokens=1)
+        assert e.stats.loaded_tokens == 96 and e.stats.kv_mismatched_tokens == 0
+        close_engine(e)
+
+
+def test_handoffs_nobody_claims_are_closed(tmp_path: Path) -> None:
+    from kvdepotd.core.errors import InvalidRequest
+    from kvdepotd.handoff import Handoffs
+
+    h = Handoffs(lambda: None, ttl_s=0.2, max_pending=2)
+    h.listen(f"unix:{tmp_path}/d.sock")
+    fds = [memfd() for _ in range(3)]
+    try:
+        path = f"{tmp_path}/d.sock.handoff"
+        with pytest.raises(LocalRpcError) as info:
+            hand_over(path, fds)
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        ids = hand_over(path, fds[:2])
+        assert h.pending() == 2
+        fd = h.claim(ids[0], "any")
+        os.close(fd)
+        time.sleep(0.3)
+        assert h.pending() == 0  # the other one expired and was closed
+        with pytest.raises(InvalidRequest, match="names no descriptor"):
+            h.claim(ids[1], "any")
+    finally:
+        h.close()
+        close_fds(fds)
