@@ -268,6 +268,11 @@ class Daemon:
         self._log_tokens(self.service.auth)
         if self.service.auth is not None and creds is None and any(not a.startswith("unix:") for a in self.addresses):
             log.warning("tokens travel in plaintext on the TCP addresses: anyone on the network path can read them (use --tls-cert)")
+        if self.service.auth is not None and self.cfg.shm_paths:
+            log.warning(
+                "tokens keep tenants' blocks apart, but with shm_paths on, a CPU engine may name any /dev/shm KV file of the "
+                "daemon's user, another tenant's too: set shm_paths = false (engines at a unix: address hand their memory over)"
+            )
         log.info(
             "host tier %.2f GiB (%d-MiB slabs, %d copy threads), lease %d ms, op deadline %d ms, metrics %s",
             self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",

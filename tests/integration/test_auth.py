@@ -220,6 +220,7 @@ def test_handed_over_memory_needs_a_token_and_stays_in_its_namespace(daemon: Dae
             assert rpc.value.code() is grpc.StatusCode.PERMISSION_DENIED and "team-a" in rpc.value.details()
     finally:
         close_fds(fds)
+    assert "set shm_paths = false" in daemon.log()  # the daemon points at the gap paths leave
     e = engine(daemon, A, "m-handoff-a", address=daemon.unix)  # a FakeEngine with a token, over the handoff
     assert e.kv is not None and e.kv.fds
     p = list(range(600, 700))

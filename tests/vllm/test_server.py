@@ -39,7 +39,8 @@ ADMIN, TEAM = "admin-token-0123456789", "team-a-token-0123456789"
 def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_path: Any) -> None:
     (tmp_path / "tokens.toml").write_text(f'admin = "{ADMIN}"\n[namespaces]\nteam-a = "{TEAM}"\n')
     (tmp_path / "team-a.token").write_text(TEAM + "\n")
-    with DaemonProcess(args=["--host-gib", "0.25", "--auth-file", str(tmp_path / "tokens.toml")]) as d:
+    # As a multi-tenant daemon should run: tokens, and KV memory only as handed-over memfds.
+    with DaemonProcess(args=["--host-gib", "0.25", "--auth-file", str(tmp_path / "tokens.toml"), "--shm-paths", "false"]) as d:
         port = free_port()
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables POST /reset_prefix_cache
@@ -84,6 +85,7 @@ def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_pat
             assert before["stored_blocks"] == 3
             assert len(engines) == 1  # EngineCore and the worker joined one engine by its key
             assert engines[0].namespace == "team-a"
+            assert "(memory handed over)" in d.log()
         finally:
             server.terminate()
             try:
