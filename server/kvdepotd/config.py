@@ -36,6 +36,7 @@ class DaemonConfig:
     max_message_mib: int = 64
     lane: bool = True
     lane_port: int = 0
+    socket_mode: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -82,6 +83,9 @@ HELP: dict[str, str] = {
     "about a third of gRPC's round-trip time. Default true",
     "lane_port": "TCP port of the lane beside each HOST:PORT listen address (a fixed one to publish or let through "
     "a firewall); 0 lets the system pick. Default 0",
+    "socket_mode": "permissions of the Unix socket files (the gRPC socket, its lane and its handoff socket), in octal: "
+    "0660 lets the daemon's group connect, 0666 every local user (with tokens to tell them apart). Empty (the "
+    "default): the daemon's umask decides",
     "tls_cert": "PEM certificate (chain) for TLS on the TCP listen addresses and their lanes, with --tls-key; Unix "
     "sockets stay plaintext. Empty (the default): plaintext",
     "tls_key": "PEM private key of --tls-cert",
@@ -163,6 +167,12 @@ def _bool(v: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+def _mode(v: Any) -> str:
+    if not isinstance(v, str) or (v and (not all(c in "01234567" for c in v) or int(v, 8) > 0o777)):
+        raise ValueError("expected permissions in octal, such as 0660")
+    return v
+
+
 def _path(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError("expected a path")
@@ -190,6 +200,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_message_mib": _positive("max_message_mib", int),
     "lane": _bool,
     "lane_port": _port,
+    "socket_mode": _mode,
     "tls_cert": _path,
     "tls_key": _path,
     "tls_client_ca": _path,

@@ -252,7 +252,11 @@ def test_arbitrary_handoff_requests_get_an_answer(depot: DaemonProcess, body: by
 
 
 def test_without_shm_paths_only_handed_over_memory_is_taken() -> None:
-    with DaemonProcess(args=["--shm-paths", "false"]) as d:
+    with DaemonProcess(args=["--shm-paths", "false", "--socket-mode", "0660"]) as d:
+        path = d.unix[len("unix:") :]
+        assert {p: oct(os.stat(p).st_mode & 0o777) for p in glob.glob(path + "*")} == {
+            p: "0o660" for p in (path, path + ".lane", path + ".handoff")
+        }
         with DepotClient(d.tcp, strict=True, deadline_s=5.0) as c:
             c.register_engine("paths-off", layout())
             req, paths = share_cpu_tensors([torch.zeros(4, 2, 16, 16, dtype=torch.float16) for _ in range(3)], num_blocks=4)

@@ -43,6 +43,9 @@ def test_precedence_flags_over_env_over_file(tmp_path) -> None:  # type: ignore[
         ([], {"KVDEPOT_LANE_PORT": "-1"}, "port in"),
         (["--tls-cert", "c.pem"], {}, "tls_cert and tls_key go together"),
         (["--tls-client-ca", "ca.pem"], {}, "needs tls_cert"),
+        (["--socket-mode", "rw-rw----"], {}, "octal"),
+        ([], {"KVDEPOT_SOCKET_MODE": "1777"}, "KVDEPOT_SOCKET_MODE"),
+        (["--shm-paths", "maybe"], {}, "true or false"),
     ],
 )
 def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], words: str) -> None:
