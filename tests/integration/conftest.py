@@ -25,6 +25,17 @@ def attached_engine(
     return e
 
 
+def served_again(e: FakeEngine, prompt: list[int], max_new_tokens: int = 1) -> int:
+    """Generates `prompt`, drops the engine's own prefix cache and generates it again: the output
+    must repeat with every position's KV right. Returns the tokens the second run loaded."""
+    first = e.generate(prompt, max_new_tokens=max_new_tokens)
+    e.reset_prefix_cache()
+    before = e.stats.loaded_tokens
+    second = e.generate(prompt, max_new_tokens=max_new_tokens)
+    assert second.output == first.output and e.stats.kv_mismatched_tokens == 0 and e.stats.failed_load_blocks == 0
+    return e.stats.loaded_tokens - before
+
+
 def drain_with_an_idle_client(what: str, lane: bool) -> DaemonProcess:
     """SIGTERMs a daemon while a client that has just been answered keeps its lane (or its Session
     stream) open: the drain must not wait on it, the daemon exits 0 without a traceback, and the

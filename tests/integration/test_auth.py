@@ -30,7 +30,7 @@ from kvdepot.lane import LocalRpcError
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
-from tests.integration.conftest import LAYOUT, close_engine
+from tests.integration.conftest import LAYOUT, close_engine, served_again
 
 pytestmark = pytest.mark.integration
 ADMIN, A, A2, B = "admin-token-0123456789", "team-a-token-0123456789", "team-a-next-0123456789", "team-b-token-0123456789"
@@ -223,11 +223,7 @@ def test_handed_over_memory_needs_a_token_and_stays_in_its_namespace(daemon: Dae
     assert "set shm_paths = false" in daemon.log()  # the daemon points at the gap paths leave
     e = engine(daemon, A, "m-handoff-a", address=daemon.unix)  # a FakeEngine with a token, over the handoff
     assert e.kv is not None and e.kv.fds
-    p = list(range(600, 700))
-    e.generate(p, max_new_tokens=1)
-    e.reset_prefix_cache()
-    e.generate(p, max_new_tokens=1)
-    assert e.stats.loaded_tokens == 96 and e.stats.kv_mismatched_tokens == 0
+    assert served_again(e, list(range(600, 700))) == 96
     close_engine(e)
 
 

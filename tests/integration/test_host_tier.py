@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from kvdepot import DepotClient, KvLayout
 from kvdepot.handles import share_cpu_tensors
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
-from tests.integration.conftest import attached_engine, close_engine
+from tests.integration.conftest import attached_engine, close_engine, served_again
 
 pytestmark = pytest.mark.integration
 KINDS = ["vllm_cpu", "vllm_flash", "contiguous"]
@@ -38,17 +39,20 @@ def engine(d: DaemonProcess, kind: str, model: str = "kv-model", world_size: int
 close = close_engine
 
 
+@pytest.mark.parametrize("memory", ["path", "handoff"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_repeated_prompt_is_loaded_byte_exact(depot: DaemonProcess, kind: str) -> None:
-    e = engine(depot, kind)
-    p = list(range(300, 500))
-    first = e.generate(p, max_new_tokens=3)
-    e.reset_prefix_cache()
-    second = e.generate(p, max_new_tokens=3)
-    assert e.stats.loaded_tokens == 192 and e.stats.failed_load_blocks == 0
-    assert e.stats.kv_mismatched_tokens == 0 and second.output == first.output
+def test_repeated_prompt_is_loaded_byte_exact(depot: DaemonProcess, kind: str, memory: str) -> None:
+    """Over TCP the engine's KV is a /dev/shm file the daemon opens by path; at the unix: address
+    it is a memfd handed over on the handoff socket (kvdepotd.handoff), and no file is made."""
+    files = set(glob.glob(f"/dev/shm/kvdepot-{os.getpid()}-*"))
+    e = engine(depot, kind, model=f"kv-model-{memory}", address=depot.unix if memory == "handoff" else depot.tcp)
+    assert e.kv is not None and bool(e.kv.fds) == (memory == "handoff") != bool(e.kv.paths)
+    assert (set(glob.glob(f"/dev/shm/kvdepot-{os.getpid()}-*")) == files) == (memory == "handoff")
+    assert served_again(e, list(range(300, 500)), max_new_tokens=3) == 192
     e.check()
     close(e)
+    if memory == "handoff":
+        assert "(memory handed over)" in depot.log()
 
 
 def test_mixed_local_and_daemon_blocks_byte_exact(depot: DaemonProcess) -> None:
