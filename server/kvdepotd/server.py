@@ -252,12 +252,12 @@ class Daemon:
                     raise StartupError(f"cannot open the handoff socket beside {addr}: {e.strerror}") from None
         if self.handoffs.addresses:
             self.service.handoffs = self.handoffs
+        elif not self.cfg.shm_paths:
+            log.warning("shm_paths is false and no unix: address has a handoff socket: engines on CPU cannot register their KV memory")
         if self.cfg.socket_mode:
             for addr in self.addresses + self.lanes.addresses + self.handoffs.addresses:
                 if addr.startswith("unix:"):
                     os.chmod(unix_path(addr), int(self.cfg.socket_mode, 8))
-        elif not self.cfg.shm_paths:
-            log.warning("shm_paths is false and no unix: address has a handoff socket: engines on CPU cannot register their KV memory")
         self.service.start()
         gc.collect()
         gc.freeze()
