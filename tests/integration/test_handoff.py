@@ -102,10 +102,12 @@ def test_an_engine_of_another_user_registers_through_the_handoff(tmp_path: Path)
         textwrap.dedent(
             f"""
             import json, os, sys
+            import encodings.idna, grpc._channel  # imported on first use, which would be as nobody
             from kvdepot import DepotClient, KvLayout
             from kvdepot.testing import FakeEngine
             from kvdepot.errors import DepotError
-            os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})  # after the imports: the interpreter may live in root's home
+            # After every import: the interpreter and the checkout may be readable by root alone.
+            os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
             lay = KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")
             c = DepotClient(sys.argv[1], strict=True, deadline_s=5.0)
             c.register_engine("other-user", lay)
