@@ -43,6 +43,7 @@ class DaemonConfig:
     auth_file: str = ""
     shm_paths: bool = True
     eviction_policy: str = "leaf-lru"
+    namespace_host_share: float = 1.0
     drain_grace_s: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -98,6 +99,9 @@ HELP: dict[str, str] = {
     "false: only memory handed over on the handoff socket beside a unix: listen address, which a worker can do "
     "only for memory it holds (set it false when tenants share a daemon). Default true",
     "eviction_policy": "eviction policy: leaf-lru (leaves first, LRU among leaves). Default leaf-lru",
+    "namespace_host_share": "most of the host tier one namespace (tenant) may hold, as a fraction: a namespace at its "
+    "share evicts its own least recently used blocks to store more, so one tenant cannot flush the others' blocks "
+    "out. 1 (the default): no limit",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
     "log_format": "text (one line per record) or json (one JSON object per line: time, level, logger, message, and "
@@ -167,6 +171,15 @@ def _bool(v: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+def _fraction(v: Any) -> float:
+    if isinstance(v, bool):
+        raise ValueError("expected a number")
+    x = float(v)
+    if not 0 < x <= 1:
+        raise ValueError("must be a fraction in (0, 1]")
+    return x
+
+
 def _mode(v: Any) -> str:
     if not isinstance(v, str) or (v and (not all(c in "01234567" for c in v) or int(v, 8) > 0o777)):
         raise ValueError("expected permissions in octal, such as 0660")
@@ -207,6 +220,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "auth_file": _path,
     "shm_paths": _bool,
     "eviction_policy": _choice("leaf-lru"),
+    "namespace_host_share": _fraction,
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),
     "log_format": _choice("text", "json"),

@@ -46,6 +46,14 @@ class DepotCollector(Collector):
             slots.add_metric([ns], n_slots)
         yield engines
         yield slots
+        held = GaugeMetricFamily("kvdepot_namespace_host_blocks", "host-tier blocks per namespace (tenant), all layout classes", labels=["namespace"])
+        owned: dict[str, int] = {}
+        for dom in d.domains.values():
+            for ns, count in dom.registry.owned.items():
+                owned[ns] = owned.get(ns, 0) + count
+        for ns, count in sorted(owned.items()):
+            held.add_metric([ns], count)
+        yield held
         labels = ["layout_class", "tier"]
         gauges = {
             "capacity": GaugeMetricFamily("kvdepot_pool_capacity_blocks", "blocks the pool holds or can still claim", labels=labels),

@@ -93,6 +93,7 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         op_timeout_ms=cfg.op_timeout_ms,
         max_tokens=cfg.max_tokens,
         eviction_policy=cfg.eviction_policy,
+        namespace_host_share=cfg.namespace_host_share,
         disk_bytes=cfg.disk_bytes,
         disk_slab_bytes=cfg.disk_slab_mib << 20,
         disk_policy=cfg.disk_policy,

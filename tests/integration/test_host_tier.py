@@ -81,6 +81,45 @@ def test_two_engines_share_blocks(depot: DaemonProcess) -> None:
     close(b)
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_a_namespace_at_its_share_evicts_its_own_blocks(share: float) -> None:
+    """Team A floods a 32-block tier. With namespace_host_share 0.5 it evicts its own blocks past
+    16, so team B's prompt (6 blocks) stays served; without a share (the control) A flushes it out."""
+    import urllib.request
+
+    from kvdepot.testing import free_port
+
+    lay = layout("vllm_cpu")
+    port = free_port()
+    args = ["--host-gib", str(96 / 2**20), "--slab-mib", "1", "--namespace-host-share", str(share), "--metrics-listen", f"127.0.0.1:{port}"]
+    with DaemonProcess(args=args) as d:
+        engines = []
+        for ns in ("team-a", "team-b"):
+            c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+            c.register_engine("shared-model", lay, namespace=ns)
+            engines.append(FakeEngine(c, layout=lay))
+            assert engines[-1].workers[0].attached.wait(5)
+        a, b = engines
+        p = list(range(50, 150))
+        b.generate(p, max_new_tokens=1)  # B's 6 full blocks are stored
+        for i in range(6):  # A: 60 blocks of its own
+            a.generate(list(range(i * 1000 + 5000, i * 1000 + 5160)), max_new_tokens=1)
+        s = a.client.stats()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        held = {ln.split('"')[1]: float(ln.split()[-1]) for ln in body.splitlines() if ln.startswith("kvdepot_namespace_host_blocks{")}
+        loaded = served_again(b, p) if share < 1 else None
+        if share < 1:
+            assert loaded == 96, "B's blocks were evicted by A's flood"
+            assert held["team-a"] <= 16 and held["team-b"] == 6
+            assert s.counters["evictions"] > 0 and s.counters["store_blocks_over_share"] == 0
+        else:
+            b.reset_prefix_cache()
+            b.generate(p, max_new_tokens=1)
+            assert b.stats.loaded_tokens < 96  # the control: without a share, A's flood took B's blocks
+        for e in engines:
+            close(e)
+
+
 def test_tensor_parallel_ranks_each_get_their_bytes(depot: DaemonProcess) -> None:
     e = engine(depot, "contiguous", model="tp2", world_size=2)
     p = list(range(50, 150))

@@ -84,6 +84,39 @@ TestRegistry = RegistryMachine.TestCase
 TestRegistry.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
+class SharedRegistryMachine(RegistryMachine):
+    """The same with owners (namespaces) capped at half of what the pool could hold (3 of 6 slots):
+    an owner at its share only ever evicts its own blocks, and is refused when none of them can go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reg = BlockRegistry(BlockPool("c", 100, SlabArena(total_bytes=800, slab_bytes=300)), owner_share=0.5)
+        assert self.reg.owner_limit == 3
+
+    @rule(h=HASHES, parent=st.none() | HASHES)
+    def store(self, h: BlockHash, parent: BlockHash | None) -> None:
+        self.store_owned(h, parent, "")
+
+    @rule(h=HASHES, parent=st.none() | HASHES, owner=st.sampled_from(["a", "b"]))
+    def store_owned(self, h: BlockHash, parent: BlockHash | None, owner: str) -> None:
+        if h in self.reg.entries or parent == h:
+            return
+        others = {k for k, e in self.reg.entries.items() if e.owner != owner}
+        held = {k for k, e in self.reg.entries.items() if e.pins or e.status is BlockStatus.STORING}
+        at_share = self.reg.owned.get(owner, 0) >= 3
+        slot = self.reg.prepare_store(h, parent, owner)
+        if slot is None:
+            assert at_share or self.reg.pool.num_free == 0
+            return
+        assert held <= set(self.reg.entries), "a pinned or in-flight block was evicted"
+        if at_share:
+            assert others <= set(self.reg.entries), "an owner at its share evicted another owner's block"
+
+
+TestSharedRegistry = SharedRegistryMachine.TestCase
+TestSharedRegistry.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
 class DepotMachine(RuleBasedStateMachine):
     """An engine double with up to three requests over a few shared prompts and a small host tier."""
 

@@ -50,7 +50,7 @@ COUNTERS = (
     "engines_registered", "engines_unregistered", "leases_expired",
     "lookups", "lookup_hit_tokens", "pins_expired",
     "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
-    "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "stored_blocks", "store_failed_blocks",
+    "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks",
     "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
     "ops_expired", "cleared_blocks", "evictions",
     "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
@@ -92,6 +92,7 @@ class DepotConfig:
     # (a few steps' worth of stores), so eviction leaves the Step path at the cost of that margin.
     free_reserve_fraction: float = 1 / 64
     free_reserve_max: int = 256
+    namespace_host_share: float = 1.0  # < 1: most of a host pool one namespace may hold (BlockRegistry owner_share)
     # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
     # daemon's op 7 would take the new daemon's op 7 as done. The service starts them from the clock.
     first_op_id: int = 1
@@ -509,7 +510,7 @@ class Depot:
             d = disk.state_of(h) if disk is not None and e is None else None
             if d is not None and d.status is BlockStatus.RESIDENT and not d.doomed:
                 parent = slot.hashes[i - 1] if i else None
-                hslot = reg.prepare_store(h, parent)  # staged through the host tier
+                hslot = reg.prepare_store(h, parent, eng.namespace)  # staged through the host tier
                 if hslot is not None:
                     disk.pin(h)  # type: ignore[union-attr]
                     tier_slots.append(hslot)
@@ -562,10 +563,11 @@ class Depot:
                     self._consider(dom, h)
                 self.counters["store_blocks_already_cached"] += 1
                 continue
-            tslot = reg.prepare_store(h, slot.hashes[i - 1] if i else None)
+            tslot = reg.prepare_store(h, slot.hashes[i - 1] if i else None, eng.namespace)
             if tslot is None:
                 slot.states[i] = BlockState.NOT_STORED
-                self.counters["store_blocks_tier_full"] += 1
+                over = reg.owner_limit is not None and reg.owned.get(eng.namespace, 0) >= reg.owner_limit
+                self.counters["store_blocks_over_share" if over else "store_blocks_tier_full"] += 1
                 continue
             slot.states[i] = BlockState.STORING
             idx.append(i)
@@ -834,7 +836,8 @@ class Depot:
         if d is None:
             policy = self.config.eviction_policy
             pool = BlockPool(layout_class, block_bytes, self.host_arena)
-            d = Domain(layout_class, block_bytes, world_size, BlockRegistry(pool, make_eviction_policy(policy)))
+            registry = BlockRegistry(pool, make_eviction_policy(policy), owner_share=self.config.namespace_host_share)
+            d = Domain(layout_class, block_bytes, world_size, registry)
             if self.config.disk_bytes and world_size <= DISK_MAX_RANKS:
                 dpool = BlockPool(layout_class, disk_record_bytes(block_bytes), self.disk_arena)
                 d.disk = BlockRegistry(dpool, make_eviction_policy(policy), track_drops=True)

@@ -6,7 +6,7 @@ Primitives:
         allocate() -> SlotId | None      O(1); None when neither a free slot nor a new slab is left
         take(slots) -> bool              marks given slots used (recovery of a persistent tier)
         free(slot)                       O(1); freeing a free slot asserts (no double free)
-        num_free / num_used / capacity_blocks
+        num_free / num_used / capacity_blocks / max_blocks
 
 A slab holds `blocks_per_slab` blocks of one layout class, so all blocks of a pool have one size:
 no fragmentation, and a slot id maps to (slab, offset) by division. Slabs are claimed lazily, so
@@ -79,6 +79,11 @@ class BlockPool:
     def capacity_blocks(self) -> int:
         """Slots this pool has plus those it could still claim from the arena."""
         return self.num_slots + (self._arena.free_bytes // self._slab_bytes) * self.blocks_per_slab
+
+    @property
+    def max_blocks(self) -> int:
+        """Slots this pool would have with the whole tier to itself."""
+        return (self._arena.total_bytes // self._slab_bytes) * self.blocks_per_slab
 
     def allocate(self) -> SlotId | None:
         if not self._free and not self._grow():

@@ -4,9 +4,12 @@ Primitives (all synchronous; the caller is the Depot, on one thread):
     lookup(hashes) -> int              leading hashes that are RESIDENT (a prefix match stops at the first miss)
     match_and_pin(hashes) -> int       lookup() that also pins and touches the matched prefix
     state_of(hash) -> BlockEntry|None  resident or being stored ("in flight")
-    prepare_store(hash, parent) -> SlotId | None
+    prepare_store(hash, parent, owner) -> SlotId | None
                                        allocates a slot (evicting if it must) and records the block
-                                       as STORING; None when the tier is full of pinned/in-flight blocks
+                                       as STORING; None when the tier is full of pinned/in-flight
+                                       blocks, or the owner's share is
+    owned                              owner (a namespace) -> its entries; with an owner share below
+                                       1, an owner at its share evicts its own LRU leaf to store more
     complete_store(hash, success)      STORING -> RESIDENT, or drops the block and frees its slot
     pin(hash) / unpin(hash)            a pin is a count; pinned blocks are never evicted
     discard(hash)                      drops a corrupt block (at once, or when its last pin goes)
@@ -21,6 +24,7 @@ Invariants (checked by check_invariants(), exercised by hypothesis):
     * every entry holds exactly one slot of the pool; used slots == entries
     * children[h] == number of entries whose parent is h
     * an evicted block is a leaf (no child entries), not pinned, not STORING
+    * owned[o] == entries of owner o, never above the owner limit
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class BlockEntry:
     children: int = 0  # entries (in this registry) whose parent is this block
     last_use: int = 0  # logical clock; LRU order
     hits: int = 0
+    owner: str = ""  # the namespace whose engine stored it (blocks are never shared across namespaces)
     doomed: bool = False  # failed its checksum: never matched again, dropped when the last pin goes
 
     @property
@@ -113,7 +118,9 @@ def make_eviction_policy(name: str) -> LeafLruPolicy:
 
 
 class BlockRegistry:
-    def __init__(self, pool: BlockPool, policy: LeafLruPolicy | None = None, track_drops: bool = False) -> None:
+    def __init__(self, pool: BlockPool, policy: LeafLruPolicy | None = None, track_drops: bool = False, owner_share: float = 1.0) -> None:
+        """`owner_share` < 1: no owner holds more than that fraction of what the pool could hold with
+        the whole tier (a tenant cannot flush the others out of it)."""
         self.pool = pool
         self.drops: list[tuple[BlockHash, SlotId]] | None = [] if track_drops else None
         self.entries: dict[BlockHash, BlockEntry] = {}
@@ -123,6 +130,9 @@ class BlockRegistry:
         self.num_pinned = 0  # entries with pins > 0
         self.num_storing = 0
         self.evictions = 0
+        self.owned: dict[str, int] = {}
+        self.owner_limit = max(1, int(owner_share * pool.max_blocks)) if owner_share < 1 else None
+        self._owner_policies: dict[str, LeafLruPolicy] = {}  # per owner, when there is a limit
 
     # -- queries ---------------------------------------------------------------------------
     def state_of(self, h: BlockHash) -> BlockEntry | None:
@@ -139,15 +149,18 @@ class BlockRegistry:
         return n
 
     # -- two-phase store ---------------------------------------------------------------------
-    def prepare_store(self, h: BlockHash, parent: BlockHash | None) -> SlotId | None:
+    def prepare_store(self, h: BlockHash, parent: BlockHash | None, owner: str = "") -> SlotId | None:
         assert h not in self.entries, "prepare_store of a block already resident or in flight"
+        if self.owner_limit is not None and self.owned.get(owner, 0) >= self.owner_limit and not self._evict_own(owner):
+            return None
         slot = self.pool.allocate()
         while slot is None:
             if not self.evict_one():
                 return None
             slot = self.pool.allocate()
-        e = BlockEntry(hash=h, parent=parent, slot=slot, last_use=self._tick(), children=self._child_count.get(h, 0))
+        e = BlockEntry(hash=h, parent=parent, slot=slot, last_use=self._tick(), children=self._child_count.get(h, 0), owner=owner)
         self.entries[h] = e
+        self.owned[owner] = self.owned.get(owner, 0) + 1
         self.num_storing += 1
         if parent is not None:
             self._child_count[parent] = self._child_count.get(parent, 0) + 1
@@ -161,7 +174,7 @@ class BlockRegistry:
         self.num_storing -= 1
         if success:
             e.status = BlockStatus.RESIDENT
-            self._policy.offer(e)
+            self._offer(e)
         else:
             self._drop(e)
 
@@ -182,7 +195,7 @@ class BlockRegistry:
                 self._drop(e)
                 return
             e.last_use = self._tick()  # a pin is a use: LRU counts from its release
-            self._policy.offer(e)
+            self._offer(e)
 
     def discard(self, h: BlockHash) -> None:
         """Drops a block whose bytes are bad (KV can be recomputed; never repaired): now if nobody
@@ -219,9 +232,11 @@ class BlockRegistry:
                 e.last_use = self._tick()
                 e.hits += 1
                 if e.pins == 0:
-                    self._policy.offer(e)
+                    self._offer(e)
         if len(self._policy) > 4 * len(self.entries) + 1024:
             self._policy.compact(self.entries)
+            for owner, policy in self._owner_policies.items():
+                policy.compact({e.hash: e for e in self.entries.values() if e.owner == owner})
 
     def clear(self) -> tuple[int, int]:
         """Drops every block that is neither pinned nor in flight (children first, so parents become leaves)."""
@@ -238,11 +253,12 @@ class BlockRegistry:
             return False
         for h, parent, slot in blocks:
             self.entries[h] = BlockEntry(hash=h, parent=parent, slot=slot, status=BlockStatus.RESIDENT, last_use=self._tick())
+            self.owned[""] = self.owned.get("", 0) + 1
             if parent is not None:
                 self._child_count[parent] = self._child_count.get(parent, 0) + 1
         for e in self.entries.values():
             e.children = self._child_count.get(e.hash, 0)
-            self._policy.offer(e)
+            self._offer(e)
         return True
 
     def evict_one(self) -> bool:
@@ -253,7 +269,25 @@ class BlockRegistry:
         self.evictions += 1
         return True
 
+    def _evict_own(self, owner: str) -> bool:
+        """The owner's own next evictable block goes (it is at its share); False when none can."""
+        policy = self._owner_policies.get(owner)
+        h = policy.pop(self.entries) if policy is not None else None
+        if h is None:
+            return False
+        self._drop(self.entries[h])
+        self.evictions += 1
+        return True
+
     # -- internals ---------------------------------------------------------------------------
+    def _offer(self, e: BlockEntry) -> None:
+        self._policy.offer(e)
+        if self.owner_limit is not None:
+            policy = self._owner_policies.get(e.owner)
+            if policy is None:
+                policy = self._owner_policies[e.owner] = LeafLruPolicy()
+            policy.offer(e)
+
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
@@ -261,6 +295,11 @@ class BlockRegistry:
     def _drop(self, e: BlockEntry) -> None:
         assert e.pins == 0 or e.status is BlockStatus.STORING
         del self.entries[e.hash]
+        left = self.owned[e.owner] - 1
+        if left:
+            self.owned[e.owner] = left
+        else:
+            del self.owned[e.owner]
         if self.drops is not None:
             self.drops.append((e.hash, e.slot))
         if e.pins:
@@ -274,7 +313,7 @@ class BlockRegistry:
                 del self._child_count[e.parent]
             if (p := self.entries.get(e.parent)) is not None:
                 p.children -= 1
-                self._policy.offer(p)
+                self._offer(p)
 
     def check_invariants(self) -> None:
         assert self.pool.num_used == len(self.entries), (self.pool.num_used, len(self.entries))
@@ -290,3 +329,8 @@ class BlockRegistry:
             assert e.pins >= 0
         assert self.num_pinned == sum(1 for e in self.entries.values() if e.pins > 0)
         assert self.num_storing == sum(1 for e in self.entries.values() if e.status is BlockStatus.STORING)
+        owned: dict[str, int] = {}
+        for e in self.entries.values():
+            owned[e.owner] = owned.get(e.owner, 0) + 1
+        assert owned == self.owned, "owner counts drifted"
+        assert self.owner_limit is None or all(n <= self.owner_limit for n in owned.values()), "an owner is past its share"
