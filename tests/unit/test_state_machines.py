@@ -302,3 +302,18 @@ class DiskDepotMachine(DepotMachine):
 
 TestDiskDepot = DiskDepotMachine.TestCase
 TestDiskDepot.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+
+
+def test_owner_heaps_do_not_grow_with_touches() -> None:
+    """Every touch offers a block again; the stale offers of an owner's heap are pruned as the global
+    heap's are compacted, so a long-running daemon's heaps stay near the number of blocks."""
+    reg = BlockRegistry(BlockPool("c", 100, SlabArena(total_bytes=800, slab_bytes=300)), owner_share=0.5)
+    for h in (1, 2, 3):
+        assert reg.prepare_store(BlockHash(h), None, "a") is not None
+        reg.complete_store(BlockHash(h), True)
+    for _ in range(20_000):
+        reg.touch([BlockHash(1), BlockHash(2), BlockHash(3)])
+    assert len(reg._policy) <= 4 * 3 + 1024 + 3 and len(reg._owner_policies["a"]) <= 4 * 3 + 1024 + 3
+    assert reg.prepare_store(BlockHash(4), None, "a") is not None  # at its share (3): its LRU block went
+    assert BlockHash(1) not in reg.entries and reg.owned == {"a": 3}
+    reg.check_invariants()

@@ -103,6 +103,11 @@ class LeafLruPolicy(EvictionPolicy):
         self._heap = [(e.last_use, e.hash) for e in entries.values() if e.evictable]
         heapq.heapify(self._heap)
 
+    def prune(self, entries: dict[BlockHash, BlockEntry]) -> None:
+        """Drops the stale offers (compact() without a pass over every entry)."""
+        self._heap = list({(u, h) for u, h in self._heap if (e := entries.get(h)) is not None and e.evictable and e.last_use == u})
+        heapq.heapify(self._heap)
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -235,8 +240,6 @@ class BlockRegistry:
                     self._offer(e)
         if len(self._policy) > 4 * len(self.entries) + 1024:
             self._policy.compact(self.entries)
-            for owner, policy in self._owner_policies.items():
-                policy.compact({e.hash: e for e in self.entries.values() if e.owner == owner})
 
     def clear(self) -> tuple[int, int]:
         """Drops every block that is neither pinned nor in flight (children first, so parents become leaves)."""
@@ -287,6 +290,8 @@ class BlockRegistry:
             if policy is None:
                 policy = self._owner_policies[e.owner] = LeafLruPolicy()
             policy.offer(e)
+            if len(policy) > 4 * self.owned.get(e.owner, 0) + 1024:  # stale offers pile up as the global heap's do
+                policy.prune(self.entries)
 
     def _tick(self) -> int:
         self._clock += 1
@@ -300,6 +305,7 @@ class BlockRegistry:
             self.owned[e.owner] = left
         else:
             del self.owned[e.owner]
+            self._owner_policies.pop(e.owner, None)
         if self.drops is not None:
             self.drops.append((e.hash, e.slot))
         if e.pins:
