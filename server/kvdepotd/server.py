@@ -229,7 +229,7 @@ class Daemon:
             try:
                 srv, _thread = start_http_server(int(port_s), addr=host.strip("[]"), registry=self.metrics.registry)
             except OSError as e:
-                raise StartupError(f"cannot serve metrics on {self.cfg.metrics_listen}: {e.strerror}") from None
+                raise StartupError(f"cannot serve metrics on {self.cfg.metrics_listen}: {e.strerror or e}") from None
             self._metrics_http = srv
             self.metrics_address = f"http://{host}:{srv.server_port}/metrics"
         await server.start()
@@ -242,7 +242,7 @@ class Daemon:
                 try:
                     await self.lanes.listen(addr, self.cfg.lane_port, tls=None if unix else lane_tls)
                 except OSError as e:
-                    raise StartupError(f"cannot open the lane beside {addr}: {e.strerror}") from None
+                    raise StartupError(f"cannot open the lane beside {addr}: {e.strerror or e}") from None
             self.service.lanes = self.lanes.addresses
         for addr in self.addresses:
             if addr.startswith("unix:"):
@@ -250,7 +250,7 @@ class Daemon:
                 try:
                     self.handoffs.listen(addr)
                 except OSError as e:
-                    raise StartupError(f"cannot open the handoff socket beside {addr}: {e.strerror}") from None
+                    raise StartupError(f"cannot open the handoff socket beside {addr}: {e.strerror or e}") from None
         if self.handoffs.addresses:
             self.service.handoffs = self.handoffs
         elif not self.cfg.shm_paths:
