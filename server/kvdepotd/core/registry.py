@@ -7,7 +7,8 @@ Primitives (all synchronous; the caller is the Depot, on one thread):
     prepare_store(hash, parent, owner) -> SlotId | None
                                        allocates a slot (evicting if it must) and records the block
                                        as STORING; None when the tier is full of pinned/in-flight
-                                       blocks, or the owner's share is
+                                       blocks, or the owner is at its share and none of its own
+                                       blocks can go
     owned                              owner (a namespace) -> its entries; with an owner share below
                                        1, an owner at its share evicts its own LRU leaf to store more
     complete_store(hash, success)      STORING -> RESIDENT, or drops the block and frees its slot
