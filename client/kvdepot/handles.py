@@ -68,14 +68,18 @@ def share_cpu_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: S
     def onto_file(nbytes: int) -> tuple[torch.Tensor, pb.CpuShmHandle]:
         path = os.path.join(SHM_DIR, f"kvdepot-{os.getpid()}-{uuid.uuid4().hex[:12]}.kv")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        paths.append(path)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
+            _reserve(fd, nbytes, f"in {SHM_DIR} (give the engine a larger {SHM_DIR}, e.g. docker --shm-size, or reach the daemon at a unix: address, which takes memfds)")
         finally:
             os.close(fd)
-        paths.append(path)
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), pb.CpuShmHandle(path=path, offset=0, size=nbytes)
 
-    req = _move_cpu_tensors(tensors, num_blocks, names, onto_file)
+    try:
+        req = _move_cpu_tensors(tensors, num_blocks, names, onto_file)
+    except BaseException:
+        remove_shm_files(paths)
+        raise
     atexit.register(remove_shm_files, list(paths))
     return req, paths
 
@@ -90,7 +94,7 @@ def share_cpu_tensors_memfd(tensors: Sequence[torch.Tensor], num_blocks: int, na
     def onto_memfd(nbytes: int) -> tuple[torch.Tensor, pb.CpuShmHandle]:
         fd = os.memfd_create("kvdepot-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         fds.append(fd)
-        os.ftruncate(fd, max(nbytes, 1))
+        _reserve(fd, nbytes, "of shared memory")
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)  # the daemon maps it: it must never shrink
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], pb.CpuShmHandle(offset=0, size=nbytes)
@@ -100,6 +104,18 @@ def share_cpu_tensors_memfd(tensors: Sequence[torch.Tensor], num_blocks: int, na
     except BaseException:
         close_fds(fds)
         raise
+
+
+def _reserve(fd: int, nbytes: int, where: str) -> None:
+    """Sizes the file and allocates every page now: a file too big for its filesystem (a container's
+    small /dev/shm) would otherwise fail while the bytes are copied in, as a SIGBUS that kills the
+    engine; this way it is an OSError before any tensor has moved."""
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError as e:
+        size = f"{nbytes / 2**30:.2f} GiB" if nbytes >= 1 << 30 else f"{nbytes / 2**20:.1f} MiB"
+        raise OSError(e.errno, f"cannot reserve {size} {where}: {e.strerror}") from None
 
 
 def _move_cpu_tensors(

@@ -94,6 +94,36 @@ def test_memfd_share_keeps_values_and_cannot_shrink() -> None:
     tensors[2].add_(1)  # the memory outlives the descriptors
 
 
+def test_no_room_for_the_kv_cache_is_an_error_before_anything_moves(tmp_path: Path) -> None:
+    """Memory that does not fit (a container's small /dev/shm; here a file-size limit) must fail as
+    an OSError while the tensors are still where they were, not as a SIGBUS in the engine during the
+    copy; no file is left behind."""
+    script = tmp_path / "full.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import glob, os, resource, signal, torch
+            from kvdepot.handles import share_cpu_tensors, share_cpu_tensors_memfd
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+            for share in (share_cpu_tensors, share_cpu_tensors_memfd):
+                ts = [torch.arange(1 << 20, dtype=torch.float32) + i for i in range(2)]  # 4 MiB each
+                ptrs = [t.data_ptr() for t in ts]
+                try:
+                    share(ts, num_blocks=1)
+                    raise SystemExit("shared 8 MiB under a 1 MiB limit")
+                except OSError as e:
+                    assert "cannot reserve 4.0 MiB" in str(e), e
+                assert [t.data_ptr() for t in ts] == ptrs and ts[1][5] == 6
+                assert not glob.glob(f"/dev/shm/kvdepot-{os.getpid()}-*")
+            print("ok")
+            """
+        )
+    )
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run an engine as another user")
 def test_an_engine_of_another_user_registers_through_the_handoff(tmp_path: Path) -> None:
     """Engine and daemon under different users: handed-over memory works, a /dev/shm path does not."""

@@ -502,12 +502,16 @@ class _Worker:
         self.rank = get_tensor_model_parallel_rank()
         num_blocks = int(tensors[0].shape[1] if self.layout.kind == "vllm_flash" else tensors[0].shape[0])
         self.cuda = tensors[0].is_cuda
-        if self.cuda:
-            req = handles.export_cuda_tensors(tensors, num_blocks, names)
-        elif handoff_path(self.cfg.address) is not None:  # memfds handed over: no file in /dev/shm, any user
-            req, self.fds = handles.share_cpu_tensors_memfd(tensors, num_blocks, names)
-        else:
-            req, self.paths = handles.share_cpu_tensors(tensors, num_blocks, names)
+        try:
+            if self.cuda:
+                req = handles.export_cuda_tensors(tensors, num_blocks, names)
+            elif handoff_path(self.cfg.address) is not None:  # memfds handed over: no file in /dev/shm, any user
+                req, self.fds = handles.share_cpu_tensors_memfd(tensors, num_blocks, names)
+            else:
+                req, self.paths = handles.share_cpu_tensors(tensors, num_blocks, names)
+        except Exception as e:  # e.g. no room for the memory: the engine serves on, every load it is planned fails and is recomputed
+            log.error("kvdepot: worker %d: cannot share the KV cache with the daemon (%s); loads and stores stay off", self.rank, e)
+            return
         self.client = _connect(self.cfg, self.layout, self.model, self.key, f"{self.cfg.engine_name}-worker-{self.rank}")
         if self.client is None:
             return
