@@ -141,6 +141,18 @@ def test_e_preemption_then_resume_fresh_lookup_no_restore(style: UpdateStyle) ->
     assert sim.depot.engines[sim.engine].domain.registry.pool.num_used == 6
 
 
+def test_e_preemption_before_the_forward_cancels_the_stores() -> None:
+    """Preempted before any rank reported the step's forward: its stores would read blocks the engine
+    is about to reuse, so they end, counted as cancelled (not as failures of the tier)."""
+    sim = Sim(UpdateStyle.VLLM)
+    plan = sim.step(sim.new("r", prompt(100), S=100, table=D[:7]))
+    assert blocks_of(plan, STORE) == [0, 1, 2, 3, 4, 5]
+    sim.step(preempted=["r"])
+    c = sim.depot.counters
+    assert c["store_blocks_cancelled"] == 6 and c["store_failed_blocks"] == 0 and c["stored_blocks"] == 0
+    assert sim.resident(prompt(100)) == 0
+
+
 @pytest.mark.parametrize("style", STYLES)
 def test_e_resume_with_device_hit_and_partly_stored(style: UpdateStyle) -> None:
     """Preempted after 0-3 were stored (chunked); resumed with the engine holding 0-1: no re-store."""

@@ -50,7 +50,7 @@ COUNTERS = (
     "engines_registered", "engines_unregistered", "leases_expired",
     "lookups", "lookup_hit_tokens", "pins_expired",
     "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
-    "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks",
+    "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks", "store_blocks_cancelled",
     "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
     "ops_expired", "cleared_blocks", "evictions",
     "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
@@ -637,6 +637,7 @@ class Depot:
         for op_id in list(slot.ops):
             op = self.ops.ops.get(op_id)
             if op is not None and op.kind is OpKind.STORE and self.ops.is_waiting_forward(op):
+                op.cancelled = True
                 ended = self.ops.end(op, reason)
                 if ended is not None:
                     self._op_ended(ended)
@@ -714,7 +715,12 @@ class Depot:
             ok = i not in op.failed
             if kind is OpKind.STORE:
                 reg.complete_store(h, ok)
-                self.counters["stored_blocks" if ok else "store_failed_blocks"] += 1
+                if ok:
+                    self.counters["stored_blocks"] += 1
+                elif op.cancelled:  # the engine was about to reuse the blocks: not a failure of the tier
+                    self.counters["store_blocks_cancelled"] += 1
+                else:
+                    self.counters["store_failed_blocks"] += 1
                 if ok and eng is not None and eng.domain.disk is not None:
                     self._consider(eng.domain, h, stored=True)
                 if slot is not None and slot.states[i] is BlockState.STORING:

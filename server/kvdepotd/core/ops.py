@@ -56,6 +56,7 @@ class Op:
     message: str = ""
     staging: set[int] = field(default_factory=set)  # block indices still being read from disk into the host tier
     held: bool = False  # a load waits for its staging before any part starts
+    cancelled: bool = False  # a store ended before its forward was reported (the request went back)
     check_late: bool = False  # a load that reports its bytes copied before its checksums are checked
     copied: set[int] = field(default_factory=set)  # ranks whose part copied its bytes (check_late loads)
 
