@@ -14,17 +14,14 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvdepot.lane import FRAME, LocalRpcError, Lane, answer
+from kvdepot.lane import FRAME, LocalRpcError, answer, recv_exactly, unix_path
 from kvdepot.v1 import kvdepot_pb2 as pb
 
 MAX_FDS = 250  # per request: the kernel passes at most 253 descriptors in one message
 
 
 def handoff_path(address: str) -> str | None:
-    if not address.startswith("unix:"):
-        return None
-    path = address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
-    return path + ".handoff"
+    return unix_path(address) + ".handoff" if address.startswith("unix:") else None
 
 
 def hand_over(path: str, fds: Sequence[int], token: str = "", timeout_s: float = 5.0) -> list[str]:
@@ -37,8 +34,8 @@ def hand_over(path: str, fds: Sequence[int], token: str = "", timeout_s: float =
                 part = list(fds[k : k + MAX_FDS])
                 body = pb.HandoffRequest(token=token, fds=len(part)).SerializeToString()
                 socket.send_fds(sock, [FRAME.pack(len(body)) + body], part)
-                (n,) = FRAME.unpack(Lane._recv(sock, FRAME.size))
-                ids += answer(Lane._recv(sock, n), pb.HandoffResponse).ids
+                (n,) = FRAME.unpack(recv_exactly(sock, FRAME.size))
+                ids += answer(recv_exactly(sock, n), pb.HandoffResponse).ids
     except TimeoutError:
         raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the handoff socket {path} did not answer within {timeout_s:.0f} s") from None
     except OSError as e:

@@ -60,8 +60,7 @@ def pick(address: str, lanes: Sequence[str]) -> Target | None:
     if address.startswith("unix:"):
         if not any(lane.startswith("unix:") for lane in lanes):
             return None
-        path = address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
-        return ("unix", path + ".lane", 0)
+        return ("unix", unix_path(address) + ".lane", 0)
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "/" in host:
         return None
@@ -70,6 +69,24 @@ def pick(address: str, lanes: Sequence[str]) -> Target | None:
         return None
     port_of = next((p for h, p in tcp if h == host), None) or next((p for h, p in tcp if h in WILDCARD), None) or tcp[0][1]
     return ("tcp", host.strip("[]"), int(port_of))
+
+
+def unix_path(address: str) -> str:
+    """The socket file of unix:PATH or unix:///abs/path (the daemon's side uses this too)."""
+    return address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
+
+
+def recv_exactly(sock: socket.socket, n: int) -> memoryview:
+    """n bytes from a blocking socket; ConnectionResetError when it ends first."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionResetError("the daemon closed the connection")
+        got += k
+    return view
 
 
 def answer(body: bytes | memoryview, kind: type[M] = pb.SessionResponse) -> M:
@@ -217,8 +234,8 @@ class Lane(_LaneBase):
         try:
             sock.settimeout(max(deadline - time.monotonic(), 1e-4))
             sock.sendall(frame)
-            (n,) = FRAME.unpack(self._recv(sock, FRAME.size))
-            body = self._recv(sock, n)
+            (n,) = FRAME.unpack(recv_exactly(sock, FRAME.size))
+            body = recv_exactly(sock, n)
         except TimeoutError:
             self._drop()  # the answer may still come: this connection is out of step now
             raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.0f} ms") from None
@@ -226,18 +243,6 @@ class Lane(_LaneBase):
             self._drop()
             raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, f"the lane broke: {e}") from None
         return answer(body)
-
-    @staticmethod
-    def _recv(sock: socket.socket, n: int) -> memoryview:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = sock.recv_into(view[got:])
-            if not k:
-                raise ConnectionResetError("the daemon closed the lane")
-            got += k
-        return view
 
     def _drop(self) -> None:
         sock, self._sock = self._sock, None

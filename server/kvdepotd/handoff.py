@@ -28,7 +28,6 @@ import os
 import secrets
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -42,10 +41,9 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.errors import status_of
-from kvdepotd.lane import error_frame, unix_path
+from kvdepotd.lane import FRAME, error_frame, ok_frame, unix_path
 
 log = logging.getLogger("kvdepotd.handoff")
-FRAME = struct.Struct("<I")
 MAX_FDS = 250  # the kernel passes at most 253 per message
 MAX_REQUEST = 4096
 TTL_S = 60.0  # an unclaimed descriptor is closed after this long
@@ -163,8 +161,7 @@ class Handoffs:
                 except Refused as e:
                     conn.sendall(error_frame(e.code, str(e)))
                     continue
-                payload = pb.HandoffResponse(ids=ids).SerializeToString()
-                conn.sendall(FRAME.pack(len(payload) + 1) + b"\0" + payload)
+                conn.sendall(ok_frame(pb.HandoffResponse(ids=ids).SerializeToString()))
         except OSError:
             pass  # the worker went away or was too slow
         finally:
@@ -176,15 +173,11 @@ class Handoffs:
         """One request frame and the descriptors that came with it; None at the end of the stream."""
         data, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST + FRAME.size, MAX_FDS)
         if not data:
-            for fd in fds:
-                os.close(fd)
-            return None
-        if flags & socket.MSG_CTRUNC:
-            for fd in fds:
-                os.close(fd)
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff: more than {MAX_FDS} descriptors in one request")
+            return None  # the end of the stream (descriptors only ever come with bytes)
         buf = bytearray(data)
         try:
+            if flags & socket.MSG_CTRUNC:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff: more than {MAX_FDS} descriptors in one request")
             while len(buf) < FRAME.size or len(buf) < FRAME.size + FRAME.unpack_from(buf)[0]:
                 if len(buf) >= FRAME.size and FRAME.unpack_from(buf)[0] > MAX_REQUEST:
                     raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"handoff: a request over {MAX_REQUEST} bytes")

@@ -38,6 +38,7 @@ from typing import Any, cast
 import grpc
 
 from kvdepot.auth import metadata
+from kvdepot.lane import unix_path
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.service import safe_parser
 
@@ -67,6 +68,10 @@ class LaneContext:
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self.code, self.details = code, details
         raise grpc.aio.AbortError(details)
+
+
+def ok_frame(payload: bytes) -> bytes:
+    return FRAME.pack(len(payload) + 1) + b"\0" + payload
 
 
 def error_frame(code: grpc.StatusCode, details: str) -> bytes:
@@ -137,7 +142,7 @@ class LaneConnection(asyncio.Protocol):
             self._token = ""  # a refused hello leaves the connection with no token
         try:
             payload = (await self._answer(req, ctx, "lane")).SerializeToString()
-            out = FRAME.pack(len(payload) + 1) + b"\0" + payload
+            out = ok_frame(payload)
             if hello:
                 self._token = ctx.token
         except grpc.aio.AbortError:
@@ -195,6 +200,3 @@ class Lanes:
         for conn in list(self._connections):
             conn.close()
 
-
-def unix_path(addr: str) -> str:
-    return addr[len("unix://") :] if addr.startswith("unix://") else addr[len("unix:") :]

@@ -566,8 +566,7 @@ class Depot:
             tslot = reg.prepare_store(h, slot.hashes[i - 1] if i else None, eng.namespace)
             if tslot is None:
                 slot.states[i] = BlockState.NOT_STORED
-                over = reg.owner_limit is not None and reg.owned.get(eng.namespace, 0) >= reg.owner_limit
-                self.counters["store_blocks_over_share" if over else "store_blocks_tier_full"] += 1
+                self.counters["store_blocks_over_share" if reg.at_share(eng.namespace) else "store_blocks_tier_full"] += 1
                 continue
             slot.states[i] = BlockState.STORING
             idx.append(i)

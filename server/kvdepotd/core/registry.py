@@ -157,7 +157,7 @@ class BlockRegistry:
     # -- two-phase store ---------------------------------------------------------------------
     def prepare_store(self, h: BlockHash, parent: BlockHash | None, owner: str = "") -> SlotId | None:
         assert h not in self.entries, "prepare_store of a block already resident or in flight"
-        if self.owner_limit is not None and self.owned.get(owner, 0) >= self.owner_limit and not self._evict_own(owner):
+        if self.at_share(owner) and not self._evict_own(owner):
             return None
         slot = self.pool.allocate()
         while slot is None:
@@ -272,6 +272,10 @@ class BlockRegistry:
         self._drop(self.entries[h])
         self.evictions += 1
         return True
+
+    def at_share(self, owner: str) -> bool:
+        """The owner holds as many blocks as its share allows (never, without a share)."""
+        return self.owner_limit is not None and self.owned.get(owner, 0) >= self.owner_limit
 
     def _evict_own(self, owner: str) -> bool:
         """The owner's own next evictable block goes (it is at its share); False when none can."""
