@@ -34,7 +34,9 @@ class LookupResult:
 MISS = LookupResult(0, degraded=True)
 
 
-@dataclass(frozen=True, slots=True)
+# OpInfo and OpCompleted come many to a step: plain slotted dataclasses, read-only by convention
+# (a frozen dataclass costs 1.4 us more per op to build, a fifth of a 256-request step's answer).
+@dataclass(slots=True)
 class OpInfo:
     op_id: int
     kind: OpKindName
@@ -53,7 +55,7 @@ class StepResult:
     degraded: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class OpCompleted:
     op_id: int
     kind: OpKindName
@@ -178,15 +180,17 @@ class StepBatch:
         return not self.request_ids and not self.finished and not self.preempted
 
     def to_pb(self, engine_id: str, step: int) -> pb.StepRequest:
+        # All-false / all-zero columns and empty salts go as empty lists (the protocol's "none").
         salts = self.cache_salt if any(self.cache_salt) else []
         loras = self.lora_name if any(self.lora_name) else []
+        new = any(self.is_new) or any(self.device_matched) or any(self.loaded)
         return pb.StepRequest(
             engine_id=engine_id,
             step=step,
             request_ids=self.request_ids,
-            is_new=self.is_new,
-            device_matched_tokens=self.device_matched,
-            loaded_tokens=self.loaded,
+            is_new=self.is_new if new else [],
+            device_matched_tokens=self.device_matched if new else [],
+            loaded_tokens=self.loaded if new else [],
             computed_tokens=self.computed,
             scheduled_tokens=self.scheduled,
             num_new_tokens=self.num_new_tokens,

@@ -57,11 +57,11 @@ def lookup_tokens(req: pb.LookupRequest) -> bytes:
 def step_columns(req: pb.StepRequest) -> StepColumns:
     """The request's columns as the core takes them, after checking that they line up."""
     n = len(req.request_ids)
-    for name in ("is_new", "device_matched_tokens", "loaded_tokens", "computed_tokens", "scheduled_tokens", "num_new_tokens", "num_new_block_ids"):
+    for name in ("computed_tokens", "scheduled_tokens", "num_new_tokens", "num_new_block_ids"):
         got = len(getattr(req, name))
         if got != n:
             raise InvalidRequest(f"{name} has {got} entries for {n} request_ids (columns must line up)")
-    for name in ("cache_salt", "lora_name"):
+    for name in ("is_new", "device_matched_tokens", "loaded_tokens", "cache_salt", "lora_name"):
         got = len(getattr(req, name))
         if got not in (0, n):
             raise InvalidRequest(f"{name} has {got} entries for {n} request_ids (0 or one per request)")
@@ -76,9 +76,9 @@ def step_columns(req: pb.StepRequest) -> StepColumns:
         raise InvalidRequest(f"num_new_block_ids add up to {sum(nblk)} but new_block_ids has {len(req.new_block_ids)}")
     return StepColumns(
         req.request_ids[:],
-        req.is_new[:],
-        req.device_matched_tokens[:],
-        req.loaded_tokens[:],
+        req.is_new[:] or [False] * n,  # none sent: all false / all 0
+        req.device_matched_tokens[:] or [0] * n,
+        req.loaded_tokens[:] or [0] * n,
         req.computed_tokens[:],
         req.scheduled_tokens[:],
         ntok,
@@ -90,20 +90,21 @@ def step_columns(req: pb.StepRequest) -> StepColumns:
     )
 
 
-def op_to_pb(op: Op) -> pb.Op:
-    return pb.Op(
-        op_id=op.op_id,
-        kind=KIND_PB[op.kind],
-        request_id=op.request_id,
-        block_ids=op.block_ids,
-        block_indices=op.block_indices,
-        step=op.step,
-        deadline_unix_ms=op.deadline_ms,
-    )
-
-
 def plan_to_pb(plan: StepPlan) -> pb.StepResponse:
-    return pb.StepResponse(step=plan.step, ops=[op_to_pb(op) for op in plan.ops], delay_free=plan.delay_free)
+    # Filled field by field: a fifth faster than building each pb.Op from keywords (a decode step of
+    # 256 requests answers some 16-20 ops).
+    resp = pb.StepResponse(step=plan.step, delay_free=plan.delay_free)
+    add = resp.ops.add
+    for op in plan.ops:
+        o = add()
+        o.op_id = op.op_id
+        o.kind = KIND_PB[op.kind]
+        o.request_id = op.request_id
+        o.block_ids.extend(op.block_ids)
+        o.block_indices.extend(op.block_indices)
+        o.step = op.step
+        o.deadline_unix_ms = op.deadline_ms
+    return resp
 
 
 def op_completed_pb(op: Op) -> pb.WorkerEvent.OpCompleted:

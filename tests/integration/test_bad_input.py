@@ -161,6 +161,13 @@ def test_columns_that_do_not_line_up(c: DepotClient) -> None:
 
     expect(c, InvalidRequest, "num_new_tokens add up to 5", step_with(c, bad_tokens))
 
+    def short_flags(b: StepBatch) -> None:  # is_new may be omitted (all false), not cut short
+        b.new("x", [1, 2, 3], [0], computed=0, scheduled=3)
+        b.cached("live", [], [], computed=40, scheduled=0)
+        b.is_new.pop()
+
+    expect(c, InvalidRequest, "is_new has 1 entries for 2 request_ids (0 or one per request)", step_with(c, short_flags))
+
 
 def test_step_tokens_in_one_form_only(c: DepotClient) -> None:
     def sent(tamper: Callable[[pb.StepRequest], None]) -> Callable[[], object]:
