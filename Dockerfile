@@ -8,13 +8,17 @@ ARG TORCH_INDEX_URL=""
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
 WORKDIR /opt/kvdepot
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY client ./client
 COPY server ./server
 COPY proto ./proto
-RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; \
+# The daemon's core is compiled by mypyc (setup.py; KVDEPOT_COMPILE=1 fails the build rather than
+# ship it uncompiled); the compiler leaves the image again in the same layer.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; \
     else pip install "$TORCH_SPEC"; fi \
- && pip install . \
+ && KVDEPOT_COMPILE=1 pip install . \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 kvdepot \
  && mkdir -p /run/kvdepot /var/lib/kvdepot && chown kvdepot /run/kvdepot /var/lib/kvdepot
 

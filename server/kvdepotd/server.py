@@ -29,6 +29,7 @@ from prometheus_client import start_http_server
 
 from kvdepot.tls import read_pem
 from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepotd import core
 from kvdepotd.auth import AuthError, Tokens
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
@@ -270,6 +271,7 @@ class Daemon:
         if self.handoffs.addresses:
             lanes += f" (KV memory handoff {', '.join(self.handoffs.addresses)})"
         log.info("kvdepotd serving on %s%s%s", ", ".join(self.addresses), tls, lanes)
+        log.info("core %s", "compiled (mypyc)" if core.compiled() else "plain Python (a `pip install .` with a C compiler compiles it)")
         self._log_tokens(self.service.auth)
         if self.service.auth is not None and creds is None and any(not a.startswith("unix:") for a in self.addresses):
             log.warning("tokens travel in plaintext on the TCP addresses: anyone on the network path can read them (use --tls-cert)")
