@@ -136,7 +136,7 @@ def bench_steps(c: DepotClient, token: str, steps: int, dense_only: bool = False
         if s >= 50:  # warm-up
             times.append(dt * 1000)
         w.poll()
-    daemon_after = daemon_totals(metrics_port, "Step") if metrics_port else (0.0, 1.0)
+    daemon_after = daemon_totals(metrics_port, "Step") if metrics_port else daemon_before
     daemon_ms = 1000 * (daemon_after[0] - daemon_before[0]) / max(daemon_after[1] - daemon_before[1], 1)
     if dense_only:
         q.put(None)

@@ -266,12 +266,7 @@ class BlockRegistry:
         return True
 
     def evict_one(self) -> bool:
-        h = self._policy.pop(self.entries)
-        if h is None:
-            return False
-        self._drop(self.entries[h])
-        self.evictions += 1
-        return True
+        return self._evict_from(self._policy)
 
     def at_share(self, owner: str) -> bool:
         """The owner holds as many blocks as its share allows (never, without a share)."""
@@ -280,14 +275,18 @@ class BlockRegistry:
     def _evict_own(self, owner: str) -> bool:
         """The owner's own next evictable block goes (it is at its share); False when none can."""
         policy = self._owner_policies.get(owner)
-        h = policy.pop(self.entries) if policy is not None else None
+        return policy is not None and self._evict_from(policy)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _evict_from(self, policy: LeafLruPolicy) -> bool:
+        """The policy's next evictable block goes; False when it has none."""
+        h = policy.pop(self.entries)
         if h is None:
             return False
         self._drop(self.entries[h])
         self.evictions += 1
         return True
 
-    # -- internals ---------------------------------------------------------------------------
     def _offer(self, e: BlockEntry) -> None:
         self._policy.offer(e)
         if self.owner_limit is not None:
