@@ -39,7 +39,7 @@ from kvdepotd.metrics import Metrics
 from kvdepotd.service import DepotService, safe_parser
 from kvdepotd.storage.disk import DiskError, DiskStore
 from kvdepotd.storage.host_arena import ArenaError, HostArena
-from kvdepotd.transfer import Faults
+from kvdepotd.transfer import Faults, blockcopy
 from kvdepotd.transfer.disk import DiskCopyEngine
 
 log = logging.getLogger("kvdepotd")
@@ -271,7 +271,11 @@ class Daemon:
         if self.handoffs.addresses:
             lanes += f" (KV memory handoff {', '.join(self.handoffs.addresses)})"
         log.info("kvdepotd serving on %s%s%s", ", ".join(self.addresses), tls, lanes)
-        log.info("core %s", "compiled (mypyc)" if core.compiled() else "plain Python (a `pip install .` with a C compiler compiles it)")
+        native = core.compiled() and blockcopy.available
+        log.info(
+            "core %s, %s block copy%s", "compiled (mypyc)" if core.compiled() else "plain Python", "native" if blockcopy.available else "torch",
+            "" if native else " (a `pip install .` with a C compiler builds both)",
+        )
         self._log_tokens(self.service.auth)
         if self.service.auth is not None and creds is None and any(not a.startswith("unix:") for a in self.addresses):
             log.warning("tokens travel in plaintext on the TCP addresses: anyone on the network path can read them (use --tls-cert)")

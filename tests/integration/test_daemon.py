@@ -120,8 +120,8 @@ def test_sigterm_drains_not_serving_first() -> None:
     records = [json.loads(line) for line in d.log().splitlines()]
     messages = [r["message"] for r in records]
     assert any(m.startswith("kvdepotd serving on") for m in messages) and any("draining" in m for m in messages) and "stopped" in messages
-    # The stage of .ci/run that runs these tests against the compiled core says so (setup.py).
-    core = "core compiled (mypyc)" if os.environ.get("KVDEPOT_EXPECT_COMPILED") == "1" else "core plain Python"
+    # The stage of .ci/run that runs these tests against the compiled build says so (setup.py).
+    core = "core compiled (mypyc), native block copy" if os.environ.get("KVDEPOT_EXPECT_COMPILED") == "1" else "core plain Python, torch block copy"
     assert any(m.startswith(core) for m in messages), messages
     assert {r["level"] for r in records} <= {"info", "warning"} and records[0]["time"].endswith("+00:00")
     assert not os.path.exists(d.unix[len("unix:") :])

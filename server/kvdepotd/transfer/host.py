@@ -5,13 +5,19 @@ critical path (the request cannot run until it lands), a store is not; but a sto
 waited STORE_WAIT_S behind loads goes next (a finished request's blocks may be held until it ends).
 Each copy thread takes a few blocks at a time (about 8 MiB, fewer near a part's end) from the first
 waiting part, so the threads share one large op to its last block instead of one finishing its
-fixed chunk while the other still has a whole one to go. A CPU block is one strided torch copy
-when its runs are evenly spaced in one storage, else one ctypes.memmove per run; both release the
-GIL, so the threads copy at once. CUDA copies go through a dedicated stream and are synchronized
-before the part reports. Stores checksum each (block, rank) with xxh3 after copying; loads check
-it before copying (or, for an engine with late load checks, in a second pass after every block is
-copied and `on_copied` has reported it) and report a mismatch as a corrupt block (the engine
-recomputes, the tier drops it). Engines of layout kind "none" have no tensors: their parts end at once (bookkeeping only).
+fixed chunk while the other still has a whole one to go.
+
+Every block moved gets an xxh3 checksum per (block, rank): a store takes it, a load compares it
+after copying and reports a mismatch as a corrupt block (the engine recomputes, the tier drops
+it; the engine reads a load's blocks only once the op reports, so bytes that fail have done no
+harm). A CPU block is one call into the native block copy where it is built, which hashes each
+piece as it copies it (kvdepotd.transfer.blockcopy); else one strided torch copy when its runs
+are evenly spaced in one storage, or one ctypes.memmove per run, and then one hash of the arena's
+bytes. All of them release the GIL, so the threads copy at once. CUDA copies go through a
+dedicated stream and are synchronized before the part reports. A load of an engine with late
+load checks is copied in one pass, reported (`on_copied`, the engine may go on), then checked in a
+second pass; where the native copy checked it on the way, both reports go at once. Engines of
+layout kind "none" have no tensors: their parts end at once (bookkeeping only).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from kvdepotd.core.ops import Op, OpKind
 from kvdepotd.core.pool import SlotId
 from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
 from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.transfer import blockcopy
 from kvdepotd.transfer.base import Copied, CopyEngine, PartDone
 from kvdepotd.transfer.mapping import RankMapping
 
@@ -209,12 +216,15 @@ class HostCopyEngine(CopyEngine):
                 part.running -= 1
                 if part.running or part.taken < len(part.work):
                     continue
-                if part.op.check_late and not part.checking:  # copied: the engine may go on; now check
+                late = part.op.check_late and not part.checking
+                if late and part.mapping.packed is None:  # copied: the engine may go on; now check
                     part.checking, part.taken = True, 0
                     self._loads.append(part)
                     self._cond.notify(self.threads)
                     self._loop.call_soon_threadsafe(self._part_copied, part)
                     continue
+            if late:  # checked while copying
+                self._loop.call_soon_threadsafe(self._part_copied, part)
             self._loop.call_soon_threadsafe(self._part_done, part)
 
     def _part_copied(self, part: _Part) -> None:
@@ -239,13 +249,14 @@ class HostCopyEngine(CopyEngine):
 
     def _copy(self, part: _Part, work: Work, first: bool) -> tuple[list[int], list[int], str]:
         """Copies (and checks) `work` of a part. A late-checked load runs in two passes over its
-        blocks: one that only copies (`part.checking` False), then one that only checks."""
+        blocks, one that only copies (`part.checking` False), then one that only checks, unless
+        the native copy checks it on the way."""
         op, m, rank = part.op, part.mapping, part.rank
         if part.event is not None and m.device != "cpu":  # the forward may still be running on the GPU
             self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), part.event))
         store = op.kind is OpKind.STORE
         copy = store or not part.checking
-        check = not store and (part.checking or not op.check_late)
+        check = not store and (part.checking or not op.check_late or m.packed is not None)
         failed: list[int] = []
         corrupt: list[int] = []
         message = ""
@@ -265,31 +276,39 @@ class HostCopyEngine(CopyEngine):
             hoff = pool.byte_offset(slot) + rank_off
             key = (cls, slot, rank)
             if store:
-                self._move(m, bid, hoff, rank_bytes, to_host=True)
-                arena.checksums[key] = _xxh3_at(arena.base + hoff, rank_bytes)
+                got = self._move(m, bid, hoff, rank_bytes, to_host=True, want_hash=True)
+                assert got is not None
+                arena.checksums[key] = got
                 arena.verified.discard(key)
                 continue
             if copy and faults.corrupt_loads and faults.take_corruption():
                 ctypes.memset(arena.base + hoff, 0x5A, 64)
                 part.injected.add(i)
-            if check and not self._intact(key, hoff, rank_bytes, i in part.injected):
+            want = self._expected(key, i in part.injected) if check else None
+            if copy:
+                got = self._move(m, bid, hoff, rank_bytes, to_host=False, want_hash=want is not None)
+            else:
+                got = _xxh3_at(arena.base + hoff, rank_bytes) if want is not None else None
+            if got != want:
                 corrupt.append(i)
                 message = message or "checksum mismatch in the host tier"
-                continue
-            if copy:
-                self._move(m, bid, hoff, rank_bytes, to_host=False)
         return failed, corrupt, message
 
-    def _intact(self, key: tuple[str, SlotId, int], hoff: int, nbytes: int, injected: bool) -> bool:
+    def _expected(self, key: tuple[str, SlotId, int], injected: bool) -> int | None:
+        """The checksum a load must find (-1, which no xxh3 is, for a block without one), or None
+        when the bytes need no check: they were read from disk for this load and checked there a
+        moment ago (the first load takes the mark)."""
         arena = self.arena
         if key in arena.verified and not injected:
-            arena.verified.discard(key)  # read from disk for this load and checked there a moment ago
-            return True
-        want = arena.checksums.get(key)
-        return want is not None and _xxh3_at(arena.base + hoff, nbytes) == want
+            arena.verified.discard(key)
+            return None
+        return arena.checksums.get(key, -1)
 
-    def _move(self, m: RankMapping, bid: int, hoff: int, nbytes: int, to_host: bool) -> None:
-        """One block between the engine's tensors and the host arena, either way."""
+    def _move(self, m: RankMapping, bid: int, hoff: int, nbytes: int, to_host: bool, want_hash: bool) -> int | None:
+        """One block between the engine's tensors and the host arena, either way; with `want_hash`,
+        the xxh3 of its bytes."""
+        if m.packed is not None:
+            return blockcopy.copy_block(m.packed, bid, self.arena.base + hoff, to_host, want_hash)
         if m.device != "cpu":
             self._device_copy(m, bid, hoff, to_host)
         elif m.uniform is not None:  # one strided copy (torch releases the GIL and vectorizes)
@@ -300,6 +319,7 @@ class HostCopyEngine(CopyEngine):
             for r in m.runs:
                 h, e = base + r.host_offset, r.address + bid * r.block_stride
                 (_memmove(h, e, r.nbytes) if to_host else _memmove(e, h, r.nbytes))
+        return _xxh3_at(self.arena.base + hoff, nbytes) if want_hash else None
 
     def _device_copy(self, m: RankMapping, bid: int, hoff: int, to_host: bool) -> None:
         """One block between a CUDA KV cache and the (pinned) host arena, on the rank's stream."""

@@ -14,6 +14,7 @@ import ctypes
 import mmap
 import os
 import stat
+import struct
 import sys
 import threading
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ import torch
 from kvdepot.layout import KvLayout, TensorMeta, block_regions
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
+from kvdepotd.transfer import blockcopy
 
 SHM_DIR = "/dev/shm"
 MAX_TENSORS = 4096
@@ -56,6 +58,9 @@ class RankMapping:
     # views of one storage; the contiguous layout), one strided tensor copy moves the whole block:
     # (storage, byte offset of run 0 of block 0, gap between runs, run bytes, runs).
     uniform: tuple[int, int, int, int, int] | None = None
+    # CPU memory with the native block copy built: the runs as blockcopy's copy_block takes them
+    # (per run: address of block 0, block stride, length; they tile the host block in order).
+    packed: bytes | None = None
 
     def block_view(self, bid: int) -> torch.Tensor:
         """The block as a [runs, run bytes] strided uint8 view (only when `uniform`)."""
@@ -161,7 +166,11 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest, 
         torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
         for storage, _ in opened
     ]
-    return RankMapping(engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs))
+    packed = struct.pack(f"={3 * len(runs)}q", *(v for r in runs for v in (r.address, r.block_stride, r.nbytes)))
+    return RankMapping(
+        engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs),
+        packed if device == "cpu" and blockcopy.available else None,
+    )
 
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in, writable

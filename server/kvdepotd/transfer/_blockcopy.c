@@ -1,0 +1,167 @@
+/* kvdepotd.transfer._blockcopy: one KV block between engine memory and the host arena, its xxh3-64
+ * taken in the same pass.
+ *
+ *   bind(create_state, free_state, reset, update, digest)   the xxhash library's streaming functions,
+ *                                                           by address (kvdepotd.transfer.blockcopy)
+ *   copy_block(runs, block, host, to_host, want_hash) -> int | None
+ *
+ * `runs` packs, per run of the block, three native int64: address of the run of block 0, the
+ * stride from one block to the next, and the run's length. The runs lie back to back in the host
+ * block from `host` on, in order, so hashing them in order gives the xxh3 of the host block
+ * itself: the same checksum a one-shot hash of the arena's bytes gives, which the disk tier and
+ * the other copy paths keep. Each run goes in pieces that fit the core's L1 cache: a piece is
+ * hashed where it is read from (engine memory for a store, the arena for a load: what a load
+ * checks is the tier's bytes), then copied out of the cache with non-temporal stores, so memory
+ * sees one read and one write per byte. A plain memcpy also reads every destination line before
+ * writing it; a hash after the copy was a second pass (README, Performance, has the figures).
+ *
+ * The caller checked every address once, when the engine registered (kvdepotd.transfer.mapping),
+ * and keeps the mappings alive while a copy runs. The GIL is released while bytes move.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
+#define STREAMING 1
+#endif
+
+#define PIECE ((int64_t)16 << 10) /* hashed, then copied while it is still in L1 */
+
+/* n bytes from s to d, the destination bypassing the cache where the CPU can (x86-64: SSE2). */
+static void copy_out(char *d, const char *s, size_t n) {
+#ifdef STREAMING
+    size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+    if (head > n)
+        head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+    memcpy(d + i, s + i, n - i);
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+typedef void *(*create_fn)(void);
+typedef int (*free_fn)(void *);
+typedef int (*reset_fn)(void *);
+typedef int (*update_fn)(void *, const void *, size_t);
+typedef uint64_t (*digest_fn)(const void *);
+
+static struct {
+    create_fn create;
+    free_fn free;
+    reset_fn reset;
+    update_fn update;
+    digest_fn digest;
+} xxh;
+
+static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    void *fns[5];
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "bind() takes the addresses of create_state, free_state, reset, update and digest");
+        return NULL;
+    }
+    for (int i = 0; i < 5; i++) {
+        fns[i] = PyLong_AsVoidPtr(args[i]);
+        if (fns[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "bind(): a function address is 0");
+            return NULL;
+        }
+    }
+    xxh.create = (create_fn)fns[0];
+    xxh.free = (free_fn)fns[1];
+    xxh.reset = (reset_fn)fns[2];
+    xxh.update = (update_fn)fns[3];
+    xxh.digest = (digest_fn)fns[4];
+    Py_RETURN_NONE;
+}
+
+static PyObject *copy_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "copy_block(runs, block, host, to_host, want_hash)");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) % (3 * sizeof(int64_t)) != 0) {
+        PyErr_SetString(PyExc_TypeError, "copy_block(): runs must be bytes of int64 triples");
+        return NULL;
+    }
+    const int64_t *runs = (const int64_t *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t nruns = PyBytes_GET_SIZE(args[0]) / (Py_ssize_t)(3 * sizeof(int64_t));
+    int64_t block = PyLong_AsLongLong(args[1]);
+    if (block == -1 && PyErr_Occurred())
+        return NULL;
+    char *host = (char *)PyLong_AsVoidPtr(args[2]);
+    if (host == NULL && PyErr_Occurred())
+        return NULL;
+    int to_host = PyObject_IsTrue(args[3]);
+    int want_hash = PyObject_IsTrue(args[4]);
+    if (to_host < 0 || want_hash < 0)
+        return NULL;
+    if (block < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_block(): negative block");
+        return NULL;
+    }
+    void *state = NULL;
+    if (want_hash) {
+        if (xxh.create == NULL) {
+            PyErr_SetString(PyExc_RuntimeError, "copy_block(): bind() the xxhash functions first");
+            return NULL;
+        }
+        state = xxh.create();
+        if (state == NULL || xxh.reset(state) != 0) {
+            if (state != NULL)
+                xxh.free(state);
+            return PyErr_NoMemory();
+        }
+    }
+    uint64_t digest = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < nruns; r++) {
+        char *engine = (char *)(intptr_t)(runs[3 * r] + block * runs[3 * r + 1]);
+        int64_t n = runs[3 * r + 2];
+        for (int64_t at = 0; at < n; at += PIECE) {
+            size_t k = (size_t)(n - at < PIECE ? n - at : PIECE);
+            const char *src = to_host ? engine + at : host + at;
+            if (state != NULL)
+                xxh.update(state, src, k);
+            copy_out(to_host ? host + at : engine + at, src, k);
+        }
+        host += n;
+    }
+#ifdef STREAMING
+    _mm_sfence(); /* the streamed bytes are visible before the caller reports the copy done */
+#endif
+    if (state != NULL) {
+        digest = xxh.digest(state);
+        xxh.free(state);
+    }
+    Py_END_ALLOW_THREADS
+    if (!want_hash)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(digest);
+}
+
+static PyMethodDef methods[] = {
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, "bind(create_state, free_state, reset, update, digest)"},
+    {"copy_block", (PyCFunction)(void (*)(void))copy_block, METH_FASTCALL,
+     "copy_block(runs, block, host, to_host, want_hash) -> xxh3 of the block's bytes, or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_blockcopy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__blockcopy(void) { return PyModule_Create(&module); }

@@ -1,0 +1,79 @@
+"""The native block copy (kvdepotd.transfer._blockcopy, built by `pip install .`): every byte of a
+block lands where its runs say, either way, and the checksum it takes on the way is the xxh3 of
+the host block's bytes, whatever the runs' lengths and alignment. Skipped where it is not built
+(an editable install); .ci/run runs these against the compiled build."""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdepotd.transfer import blockcopy
+
+pytestmark = pytest.mark.skipif(not blockcopy.available, reason="the native block copy is built by `pip install .`, not by an editable install")
+
+BLOCKS = 3
+
+
+def packed(runs: list[tuple[int, int, int]]) -> bytes:
+    return struct.pack(f"={3 * len(runs)}q", *(v for r in runs for v in r))
+
+
+def engine_memory(lengths: list[int], skew: int) -> tuple[ctypes.Array[ctypes.c_char], list[tuple[int, int, int]]]:
+    """One buffer holding, per run, BLOCKS blocks of it one after the other (a block stride of the
+    run's length plus a gap), starting `skew` bytes off alignment; the runs' (address, stride, length)."""
+    sizes = [BLOCKS * (n + 8) for n in lengths]
+    buf = ctypes.create_string_buffer(bytes((i * 7 + 3) % 251 for i in range(sum(sizes) + skew)))
+    runs, at = [], ctypes.addressof(buf) + skew
+    for n, size in zip(lengths, sizes):
+        runs.append((at, n + 8, n))
+        at += size
+    return buf, runs
+
+
+def block_bytes(runs: list[tuple[int, int, int]], block: int) -> bytes:
+    return b"".join(ctypes.string_at(addr + block * stride, n) for addr, stride, n in runs)
+
+
+lengths = st.lists(st.integers(1, 70_000) | st.sampled_from([16, 64, 16 << 10, (16 << 10) + 1, 65536]), min_size=1, max_size=5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=lengths, skew=st.integers(0, 15), host_skew=st.integers(0, 15), block=st.integers(0, BLOCKS - 1))
+def test_a_block_goes_to_the_host_and_back_with_its_xxh3(lengths: list[int], skew: int, host_skew: int, block: int) -> None:
+    buf, runs = engine_memory(lengths, skew)
+    want = block_bytes(runs, block)
+    host = ctypes.create_string_buffer(len(want) + host_skew)
+    haddr = ctypes.addressof(host) + host_skew
+    got = blockcopy.copy_block(packed(runs), block, haddr, True, True)
+    assert ctypes.string_at(haddr, len(want)) == want
+    assert got == xxhash.xxh3_64_intdigest(want)
+    # Back into another block of the engine: the checksum is the host bytes' again.
+    new = bytes((i * 13 + 1) % 256 for i in range(len(want)))
+    ctypes.memmove(haddr, new, len(new))
+    other = (block + 1) % BLOCKS
+    neighbours = [block_bytes(runs, b) for b in range(BLOCKS) if b != other]
+    assert blockcopy.copy_block(packed(runs), other, haddr, False, True) == xxhash.xxh3_64_intdigest(new)
+    assert block_bytes(runs, other) == new
+    assert [block_bytes(runs, b) for b in range(BLOCKS) if b != other] == neighbours  # nothing else touched
+    assert blockcopy.copy_block(packed(runs), block, haddr, True, False) is None
+    assert ctypes.string_at(haddr, len(want)) == want
+    del buf
+
+
+def test_bad_arguments_raise_and_copy_nothing() -> None:
+    buf, runs = engine_memory([64], 0)
+    host = ctypes.create_string_buffer(64)
+    with pytest.raises(TypeError, match="int64 triples"):
+        blockcopy.copy_block(packed(runs)[:-1], 0, ctypes.addressof(host), True, True)
+    with pytest.raises(ValueError, match="negative block"):
+        blockcopy.copy_block(packed(runs), -1, ctypes.addressof(host), True, True)
+    with pytest.raises(TypeError):
+        blockcopy.copy_block(packed(runs), 0, ctypes.addressof(host), True)  # type: ignore[call-arg]
+    assert host.raw == bytes(64)
+    del buf
