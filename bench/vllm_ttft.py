@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 reset(example)
             for k in cases:
                 res.setdefault(k, {})[str(size)] = median(got[k])
+                res.setdefault("runs", {}).setdefault(k, {})[str(size)] = [round(x, 1) for x in got[k]]
         res["outputs_identical"] = same
         decode_tps(plain, 100)
         decode_tps(depot, 100)
