@@ -12,8 +12,9 @@ COPY pyproject.toml setup.py README.md ./
 COPY client ./client
 COPY server ./server
 COPY proto ./proto
-# The daemon's core is compiled by mypyc (setup.py; KVDEPOT_COMPILE=1 fails the build rather than
-# ship it uncompiled); the compiler leaves the image again in the same layer.
+# The daemon's core is compiled by mypyc and its block copy built from C (setup.py;
+# KVDEPOT_COMPILE=1 fails the build rather than ship either uncompiled); the compiler leaves the
+# image again in the same layer.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; \
     else pip install "$TORCH_SPEC"; fi \
