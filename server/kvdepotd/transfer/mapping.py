@@ -166,10 +166,11 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest, 
         torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
         for storage, _ in opened
     ]
-    packed = struct.pack(f"={3 * len(runs)}q", *(v for r in runs for v in (r.address, r.block_stride, r.nbytes)))
+    packed = None
+    if device == "cpu" and blockcopy.available:
+        packed = struct.pack(f"={3 * len(runs)}q", *(v for r in runs for v in (r.address, r.block_stride, r.nbytes)))
     return RankMapping(
-        engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs),
-        packed if device == "cpu" and blockcopy.available else None,
+        engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs), packed
     )
 
 
