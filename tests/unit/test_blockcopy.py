@@ -6,7 +6,6 @@ the host block's bytes, whatever the runs' lengths and alignment. Skipped where 
 from __future__ import annotations
 
 import ctypes
-import struct
 
 import pytest
 import xxhash
@@ -18,10 +17,6 @@ from kvdepotd.transfer import blockcopy
 pytestmark = pytest.mark.skipif(not blockcopy.available, reason="the native block copy is built by `pip install .`, not by an editable install")
 
 BLOCKS = 3
-
-
-def packed(runs: list[tuple[int, int, int]]) -> bytes:
-    return struct.pack(f"={3 * len(runs)}q", *(v for r in runs for v in r))
 
 
 def engine_memory(lengths: list[int], skew: int) -> tuple[ctypes.Array[ctypes.c_char], list[tuple[int, int, int]]]:
@@ -50,7 +45,7 @@ def test_a_block_goes_to_the_host_and_back_with_its_xxh3(lengths: list[int], ske
     want = block_bytes(runs, block)
     host = ctypes.create_string_buffer(len(want) + host_skew)
     haddr = ctypes.addressof(host) + host_skew
-    got = blockcopy.copy_block(packed(runs), block, haddr, True, True)
+    got = blockcopy.copy_block(blockcopy.pack(runs), block, haddr, True, True)
     assert ctypes.string_at(haddr, len(want)) == want
     assert got == xxhash.xxh3_64_intdigest(want)
     # Back into another block of the engine: the checksum is the host bytes' again.
@@ -58,10 +53,10 @@ def test_a_block_goes_to_the_host_and_back_with_its_xxh3(lengths: list[int], ske
     ctypes.memmove(haddr, new, len(new))
     other = (block + 1) % BLOCKS
     neighbours = [block_bytes(runs, b) for b in range(BLOCKS) if b != other]
-    assert blockcopy.copy_block(packed(runs), other, haddr, False, True) == xxhash.xxh3_64_intdigest(new)
+    assert blockcopy.copy_block(blockcopy.pack(runs), other, haddr, False, True) == xxhash.xxh3_64_intdigest(new)
     assert block_bytes(runs, other) == new
     assert [block_bytes(runs, b) for b in range(BLOCKS) if b != other] == neighbours  # nothing else touched
-    assert blockcopy.copy_block(packed(runs), block, haddr, True, False) is None
+    assert blockcopy.copy_block(blockcopy.pack(runs), block, haddr, True, False) is None
     assert ctypes.string_at(haddr, len(want)) == want
     del buf
 
@@ -70,10 +65,10 @@ def test_bad_arguments_raise_and_copy_nothing() -> None:
     buf, runs = engine_memory([64], 0)
     host = ctypes.create_string_buffer(64)
     with pytest.raises(TypeError, match="int64 triples"):
-        blockcopy.copy_block(packed(runs)[:-1], 0, ctypes.addressof(host), True, True)
+        blockcopy.copy_block(blockcopy.pack(runs)[:-1], 0, ctypes.addressof(host), True, True)
     with pytest.raises(ValueError, match="negative block"):
-        blockcopy.copy_block(packed(runs), -1, ctypes.addressof(host), True, True)
+        blockcopy.copy_block(blockcopy.pack(runs), -1, ctypes.addressof(host), True, True)
     with pytest.raises(TypeError):
-        blockcopy.copy_block(packed(runs), 0, ctypes.addressof(host), True)  # type: ignore[call-arg]
+        blockcopy.copy_block(blockcopy.pack(runs), 0, ctypes.addressof(host), True)  # type: ignore[call-arg]
     assert host.raw == bytes(64)
     del buf

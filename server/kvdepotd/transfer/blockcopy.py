@@ -8,6 +8,9 @@ the same bytes and checksums, at about 60% of its speed (README, Performance).
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
+
 from kvdepotd.storage.checksum import stream_functions
 
 try:
@@ -19,3 +22,9 @@ available = _blockcopy is not None
 if available:
     _blockcopy.bind(*stream_functions())
     copy_block = _blockcopy.copy_block
+
+
+def pack(runs: Sequence[tuple[int, int, int]]) -> bytes:
+    """A block's runs as copy_block takes them: per run, the address of block 0, the stride from one
+    block to the next and the length, in the order the runs lie in the host block."""
+    return struct.pack(f"={3 * len(runs)}q", *(v for r in runs for v in r))

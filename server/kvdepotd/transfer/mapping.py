@@ -14,7 +14,6 @@ import ctypes
 import mmap
 import os
 import stat
-import struct
 import sys
 import threading
 from collections.abc import Mapping
@@ -58,8 +57,8 @@ class RankMapping:
     # views of one storage; the contiguous layout), one strided tensor copy moves the whole block:
     # (storage, byte offset of run 0 of block 0, gap between runs, run bytes, runs).
     uniform: tuple[int, int, int, int, int] | None = None
-    # CPU memory with the native block copy built: the runs as blockcopy's copy_block takes them
-    # (per run: address of block 0, block stride, length; they tile the host block in order).
+    # CPU memory with the native block copy built: the runs as blockcopy.pack gives them to
+    # copy_block (they tile the host block in order).
     packed: bytes | None = None
 
     def block_view(self, bid: int) -> torch.Tensor:
@@ -168,7 +167,7 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest, 
     ]
     packed = None
     if device == "cpu" and blockcopy.available:
-        packed = struct.pack(f"={3 * len(runs)}q", *(v for r in runs for v in (r.address, r.block_stride, r.nbytes)))
+        packed = blockcopy.pack([(r.address, r.block_stride, r.nbytes) for r in runs])
     return RankMapping(
         engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs), packed
     )
