@@ -157,6 +157,24 @@ def test_corrupt_disk_block_fails_its_load_and_is_dropped() -> None:
     assert sim.depot.all_counters()["disk_checksum_failures"] == 1
 
 
+def test_data_read_from_disk_that_fails_the_loads_check_is_dropped_from_both_tiers() -> None:
+    """The disk read checks a block's header; its data is checked by the load that copies it into
+    the engine. Bad data there is the disk's: the block goes from the host and the disk tier."""
+    toks = prompt(100)
+    sim = only_on_disk(toks)
+    sim.lookup("b", toks)
+    sim.step(sim.new("b", toks, E=96, S=4, table=list(range(200, 207))))
+    hs = hashes(toks)
+    run_disk(sim)
+    sim.run_copies(corrupt={3})
+    assert sim.completed(OpKind.LOAD)[0].failed == {3}
+    assert hs[3] not in sim.depot.engines[sim.engine].domain.registry.entries
+    assert on_disk(sim, toks) == 3
+    assert [h for _, h, _ in sim.depot.take_disk_drops()] == [hs[3]]  # the storage journals its removal
+    counters = sim.depot.all_counters()
+    assert (counters["disk_checksum_failures"], counters["checksum_failures"]) == (1, 0)
+
+
 def test_load_that_ends_while_staging_leaves_the_blocks_in_the_host_tier() -> None:
     toks = prompt(100)
     sim = only_on_disk(toks)

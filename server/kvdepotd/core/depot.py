@@ -535,6 +535,7 @@ class Depot:
                 op.message = "blocks not resident in any tier"
             if mine := [p for p in part if p in waits]:
                 op.staging = {idx[p] for p in mine}
+                op.from_disk = set(op.staging)
                 op.held = True
                 for p in mine:
                     self._staging[waits[p]].append((op, p - k))
@@ -730,7 +731,10 @@ class Depot:
                     reg.unpin(h)
                 if i in op.corrupt:
                     reg.discard(h)
-                    self.counters["checksum_failures"] += 1
+                    if i in op.from_disk:  # read from disk for this load a moment ago: the disk's copy is bad
+                        self._discard_on_disk(reg, h)
+                    else:
+                        self.counters["checksum_failures"] += 1
                 self.counters["loaded_blocks" if ok else "load_failed_blocks"] += 1
                 if current and slot is not None and slot.states[i] is BlockState.LOADING:
                     slot.states[i] = BlockState.LOADED if ok else BlockState.LOAD_FAILED
@@ -749,6 +753,12 @@ class Depot:
             if slot.phase is Phase.FINISHING and not slot.ops:
                 self._release_slot(eng, slot.request_id)
                 self._events.append(RequestReleased(eng.engine_id, slot.request_id))
+
+    def _discard_on_disk(self, reg: BlockRegistry, h: BlockHash) -> None:
+        for dom in self.domains.values():
+            if dom.registry is reg and dom.disk is not None:
+                dom.disk.discard(h)
+                self.counters["disk_checksum_failures"] += 1
 
     def take_events(self) -> list[Event]:
         events, self._events = self._events, []

@@ -55,6 +55,7 @@ class Op:
     corrupt: set[int] = field(default_factory=set)  # of those, the ones whose tier bytes were bad
     message: str = ""
     staging: set[int] = field(default_factory=set)  # block indices still being read from disk into the host tier
+    from_disk: set[int] = field(default_factory=set)  # block indices read from disk for it (their data is checked by its copy)
     held: bool = False  # a load waits for its staging before any part starts
     cancelled: bool = False  # a store ended before its forward was reported (the request went back)
     check_late: bool = False  # a load that reports its bytes copied before its checksums are checked

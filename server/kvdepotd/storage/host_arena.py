@@ -27,9 +27,6 @@ class HostArena:
     def __init__(self, total_bytes: int, directory: str = "/dev/shm") -> None:
         self.total_bytes = total_bytes
         self.checksums: dict[tuple[str, int, int], int] = {}  # (layout class, slot, rank) -> xxh3
-        # (class, slot, rank) whose bytes were just read from disk and checked there: the load that
-        # staged them does not hash them a second time (the first load consumes the mark)
-        self.verified: set[tuple[str, int, int]] = set()
         self.pinned = False
         if total_bytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)

@@ -8,9 +8,15 @@
     close()         waits for running jobs, then syncs and closes the files
 
 Reads are issued in order by one reader thread (one sequential stream, as the disk likes it) and
-checked on the pool's threads, so checking a chunk overlaps reading the next. Writes checksum the host bytes (xxh3 per rank) and compare with the checksums the host tier took at
-store time: a mismatch means the host copy went bad, and the block is not written. Reads verify the
-disk header and data, then hand the checksums to the host tier, where the load checks them again.
+checked on the pool's threads, so checking a chunk overlaps reading the next. Neither side reads a
+block's bytes for its checksum, which would be one more pass over memory per byte moved:
+  write   the header gets the checksums the host tier took when the block left the engine. A host
+          copy that went bad since is written with the checksum it should have, so its first read
+          fails the check (it is dropped, never served).
+  read    the header is checked here (it must say what the journal says); its data checksums go to
+          the host tier, and the load that staged the block checks the data as it copies it into
+          the engine (kvdepotd.transfer.host). A mismatch there drops the block from both tiers.
+`kvdepotd check-disk` and recovery use ClassStore.read(), which checks the data too.
 """
 
 from __future__ import annotations
@@ -110,11 +116,13 @@ class DiskCopyEngine:
         corrupt: set[int] = set()
         for it in job.items:
             addr = arena.base + pool.byte_offset(it.host_slot)
-            sums = [int(xxh3_at(addr + r * rb, rb)) for r in range(store.world_size)]
             known = [arena.checksums.get((cls, it.host_slot, r)) for r in range(store.world_size)]
-            if any(k is not None and k != s for k, s in zip(known, sums)):
-                corrupt.add(it.hash)
-                continue
+            sums = [k for k in known if k is not None]
+            if len(sums) < store.world_size:  # no checksum on record (none should lack one): take it now
+                sums = [int(xxh3_at(addr + r * rb, rb)) for r in range(store.world_size)]
+                if any(k is not None and k != s for k, s in zip(known, sums)):
+                    corrupt.add(it.hash)
+                    continue
             blocks.append((it.disk_slot, it.hash, it.parent, addr, sums))
         failed = store.write(blocks) if blocks else set()
         store.maybe_compact()
@@ -138,7 +146,7 @@ class DiskCopyEngine:
 
     def _check(self, job: DiskJob, store: ClassStore, failed: set[int], got: list[tuple[int, int, int, bytes]], t0: float) -> Result:
         arena, cls = self.arena, job.domain.layout_class
-        corrupt, sums = store.check(got)
+        corrupt, sums = store.check(got, data=False)
         if corrupt:
             store.flush_removes()
         for it in job.items:
@@ -146,7 +154,6 @@ class DiskCopyEngine:
             if ranks is not None:
                 for r, s in enumerate(ranks):
                     arena.checksums[(cls, it.host_slot, r)] = s
-                    arena.verified.add((cls, it.host_slot, r))
         message = "checksum mismatch in the disk tier" if corrupt else ("disk read failed" if failed else "")
         return self._observe(job, store, (failed, corrupt, message), t0)
 

@@ -79,7 +79,6 @@ class _Part:
     taken: int = 0  # work[:taken] has been handed to threads (in the current pass)
     running: int = 0  # batches being copied now
     checking: bool = False  # a late-checked load in its second pass (its bytes are in the engine)
-    injected: set[int] = field(default_factory=set)  # blocks corrupted by fault injection (tests)
     failed: list[int] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
     message: str = ""
@@ -279,12 +278,10 @@ class HostCopyEngine(CopyEngine):
                 got = self._move(m, bid, hoff, rank_bytes, to_host=True, want_hash=True)
                 assert got is not None
                 arena.checksums[key] = got
-                arena.verified.discard(key)
                 continue
             if copy and faults.corrupt_loads and faults.take_corruption():
                 ctypes.memset(arena.base + hoff, 0x5A, 64)
-                part.injected.add(i)
-            want = self._expected(key, i in part.injected) if check else None
+            want = arena.checksums.get(key, -1) if check else None  # -1, which no xxh3 is: a block without one fails
             if copy:
                 got = self._move(m, bid, hoff, rank_bytes, to_host=False, want_hash=want is not None)
             else:
@@ -293,16 +290,6 @@ class HostCopyEngine(CopyEngine):
                 corrupt.append(i)
                 message = message or "checksum mismatch in the host tier"
         return failed, corrupt, message
-
-    def _expected(self, key: tuple[str, SlotId, int], injected: bool) -> int | None:
-        """The checksum a load must find (-1, which no xxh3 is, for a block without one), or None
-        when the bytes need no check: they were read from disk for this load and checked there a
-        moment ago (the first load takes the mark)."""
-        arena = self.arena
-        if key in arena.verified and not injected:
-            arena.verified.discard(key)
-            return None
-        return arena.checksums.get(key, -1)
 
     def _move(self, m: RankMapping, bid: int, hoff: int, nbytes: int, to_host: bool, want_hash: bool) -> int | None:
         """One block between the engine's tensors and the host arena, either way; with `want_hash`,
