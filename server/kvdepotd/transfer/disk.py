@@ -113,21 +113,15 @@ class DiskCopyEngine:
         pool, arena = dom.registry.pool, self.arena
         rb, cls = store.rank_bytes, dom.layout_class
         blocks = []
-        corrupt: set[int] = set()
         for it in job.items:
             addr = arena.base + pool.byte_offset(it.host_slot)
-            known = [arena.checksums.get((cls, it.host_slot, r)) for r in range(store.world_size)]
-            sums = [k for k in known if k is not None]
-            if len(sums) < store.world_size:  # no checksum on record (none should lack one): take it now
-                sums = [int(xxh3_at(addr + r * rb, rb)) for r in range(store.world_size)]
-                if any(k is not None and k != s for k, s in zip(known, sums)):
-                    corrupt.add(it.hash)
-                    continue
-            blocks.append((it.disk_slot, it.hash, it.parent, addr, sums))
+            sums = [arena.checksums.get((cls, it.host_slot, r)) for r in range(store.world_size)]
+            # Every host block has its checksums (its store or its disk read took them); one without
+            # would be hashed here rather than written unchecked.
+            blocks.append((it.disk_slot, it.hash, it.parent, addr, [s if s is not None else int(xxh3_at(addr + r * rb, rb)) for r, s in enumerate(sums)]))
         failed = store.write(blocks) if blocks else set()
         store.maybe_compact()
-        message = "host bytes failed their checksum" if corrupt else ("disk write failed" if failed else "")
-        return self._observe(job, store, (failed, corrupt, message), t0)
+        return self._observe(job, store, (failed, set(), "disk write failed" if failed else ""), t0)
 
     def _read(self, job: DiskJob, finished: Callable[[Future[Result]], None]) -> None:
         """The reader thread: the I/O, then the check on the pool (the reader goes on to the next job)."""
