@@ -82,7 +82,8 @@ def half(args: argparse.Namespace, root: str, daemon_first: bool) -> dict[str, l
     """--repeat rounds against one daemon, its arena and the raw runs' buffer set up in the given order."""
     nb, bs = args.blocks, LAYOUT.block_size
     nbytes = nb * LAYOUT.block_bytes
-    disk_dir = os.path.join(root, f"tier-{'d' if daemon_first else 'r'}")
+    side = "d" if daemon_first else "r"
+    disk_dir = os.path.join(root, f"tier-{side}")
     host_gib = (2 * nbytes + (64 << 20)) / 2**30
     disk_gib = (args.repeat * nbytes * 1.05 + (512 << 20)) / 2**30
     daemon = DaemonProcess(
@@ -124,8 +125,7 @@ def half(args: argparse.Namespace, root: str, daemon_first: bool) -> dict[str, l
         for r in range(args.repeat):
             # new raw files every round, kept to the end: like the daemon's slab files, they take
             # space the file system has not handed out before in this run
-            tag = f"{'d' if daemon_first else 'r'}{r}"
-            raw_a, raw_b = os.path.join(root, f"raw-{tag}a.bin"), os.path.join(root, f"raw-{tag}b.bin")
+            raw_a, raw_b = os.path.join(root, f"raw-{side}{r}a.bin"), os.path.join(root, f"raw-{side}{r}b.bin")
             toks = [r * 100_000 + i for i in range(nb * bs + 1)]  # fresh blocks each round
             raw_before = raw_write(raw_a, nbytes, buf)
             written = c.stats().counters["disk_written_blocks"]
@@ -167,8 +167,6 @@ def half(args: argparse.Namespace, root: str, daemon_first: bool) -> dict[str, l
     finally:
         remove_shm_files(paths)
         daemon.stop()
-        arena.close()
-        del buf, arena
 
 
 def main() -> int:
@@ -186,11 +184,12 @@ def main() -> int:
     out: dict[str, object] = {"bench": "disk_tier", "bytes": args.blocks * LAYOUT.block_bytes, "blocks": args.blocks, "block_mib": LAYOUT.block_bytes / 2**20}
     for k in ("write", "read", "raw_write", "raw_read"):  # the middle of the two halves' medians
         out[f"{k}_gbps"] = round(statistics.mean(m[k] for m in med.values()), 3)
-    for k in ("write_ratio", "read_ratio"):  # the allocation order's bias cancels in the product
-        out[k] = round(math.sqrt(med["daemon_first"][k] * med["raw_first"][k]), 3)
+    # the allocation order's bias cancels in the product of the two halves
+    ratios = {k: round(math.sqrt(med["daemon_first"][k] * med["raw_first"][k]), 3) for k in ("write_ratio", "read_ratio")}
+    out.update(ratios)
     out["halves"] = {h: {k: round(v, 3) for k, v in m.items() if k.endswith("ratio")} for h, m in med.items()}
     out["rounds"] = {h: {k: [round(x, 3) for x in v] for k, v in rows.items()} for h, rows in halves.items()}
-    out["targets_met"] = out["write_ratio"] >= 0.7 and out["read_ratio"] >= 0.7  # type: ignore[operator]
+    out["targets_met"] = all(v >= 0.7 for v in ratios.values())
     print(json.dumps(out))
     return 0
 

@@ -896,7 +896,8 @@ class Depot:
 
     def disk_job_done(self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], message: str = "") -> None:
         """The storage's report of one job: `failed` blocks were not moved, `corrupt` ones (a subset
-        or not) had bad bytes at the source (dropped from that tier)."""
+        or not) of a read had a bad header on disk (dropped from the disk tier). A write reads no
+        bytes for their checksums, so it has no corrupt blocks: a bad host copy fails its first read."""
         job = self.disk_jobs.pop(job_id)
         dom = job.domain
         host, disk = dom.registry, dom.disk
@@ -909,9 +910,6 @@ class Depot:
                 host.unpin(it.hash)
                 disk.complete_store(it.hash, ok)
                 self.counters["disk_written_blocks" if ok else "disk_write_failed_blocks"] += 1
-                if it.hash in corrupt:
-                    host.discard(it.hash)
-                    self.counters["checksum_failures"] += 1
             return
         waiting: dict[OpId, Op] = {}
         for it in job.items:
