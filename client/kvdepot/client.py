@@ -14,6 +14,8 @@ import asyncio
 import collections
 import logging
 import queue
+import select
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -465,6 +467,13 @@ class WorkerLink:
     """A worker rank's stream, kept open by a background thread that reconnects and re-attaches.
 
     forward_done() never blocks; poll() returns the events that arrived; wait() blocks up to a timeout.
+
+    When the KV memory is handed over (memfds, a daemon reached at unix:PATH), the link hands over a
+    doorbell with it: one end of a unix datagram socket pair, on which the daemon's copy threads send each load's op id the
+    moment this rank's part is copied. poll() reports those as LoadCopied, ahead of the stream's own
+    report (which crosses the daemon's event loop and gRPC's threads on both sides: 1.3 - 4.7 ms on
+    two cores beside a vLLM step, against 0.2 - 0.9 for the doorbell); the stream's reader thread
+    rings the same socket with an empty datagram, so waiting is one select() on it either way.
     """
 
     def __init__(self, client: DepotClient, rank: int) -> None:
@@ -480,6 +489,8 @@ class WorkerLink:
         self._kv: pb.RegisterKvCachesRequest | None = None
         self._fds: list[int] = []
         self._kv_engine = ""  # the engine id the KV caches were last registered under
+        self._bell_in: socket.socket | None = None  # the doorbell's ends (see the class docstring)
+        self._bell_out: socket.socket | None = None
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-worker-{rank}", daemon=True)
         self._thread.start()
 
@@ -491,6 +502,10 @@ class WorkerLink:
         not reachable yet (the link keeps trying); an error instead when the client is strict."""
         if fds and (handoff_path(self.client.address) is None or len(fds) != len(req.storages)):
             raise ValueError("descriptors go to a daemon reached at unix:PATH, one per storage of the registration")
+        if fds and self._bell_in is None:
+            self._bell_in, self._bell_out = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._bell_in.setblocking(False)
+            self._bell_out.setblocking(False)
         self._kv, self._fds = req, list(fds)
         return self._register_kv(self.client.engine_id, raise_errors=True)
 
@@ -504,10 +519,11 @@ class WorkerLink:
         req.engine_id, req.rank = engine_id, self.rank
         timeout = max(self.client.admin_deadline_s, 5.0)
         try:
-            if self._fds:  # handed over again each time: a restarted daemon holds none of them
-                ids = hand_over(handoff_path(self.client.address) or "", self._fds, self.client._token, timeout)
+            if self._bell_out is not None:  # handed over again each time: a restarted daemon holds none of them
+                ids = hand_over(handoff_path(self.client.address) or "", [*self._fds, self._bell_out.fileno()], self.client._token, timeout)
                 for storage, handoff_id in zip(req.storages, ids):
                     storage.cpu_shm.handoff_id = handoff_id
+                req.doorbell_handoff_id = ids[-1]
             self.client._stub.RegisterKvCaches(req, timeout=timeout)
         except grpc.RpcError as e:
             if raise_errors and self.client.strict:
@@ -526,13 +542,27 @@ class WorkerLink:
             self._out.put(pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step, cuda_event=handle)))
 
     def poll(self) -> list[m.WorkerEvent]:
+        out: list[m.WorkerEvent] = []
+        if self._bell_in is not None:  # first: the doorbell rang before the stream's reports were made
+            while True:
+                try:
+                    data = self._bell_in.recv(64)
+                except OSError:  # BlockingIOError: nothing more
+                    break
+                if len(data) == 8:
+                    out.append(m.LoadCopied(int.from_bytes(data, "little")))
         with self._cond:
-            out = list(self._events)
+            out += self._events
             self._events.clear()
         return out
 
     def wait_for_events(self, timeout_s: float) -> bool:
         """Blocks until events are waiting (poll() takes them) or the timeout passes."""
+        if self._bell_in is not None:
+            with self._cond:
+                if self._events:
+                    return True
+            return bool(select.select([self._bell_in], [], [], timeout_s)[0])
         with self._cond:
             if not self._events:
                 self._cond.wait(timeout_s)
@@ -549,15 +579,24 @@ class WorkerLink:
             left = end - time.monotonic()
             if left <= 0:
                 return got
-            with self._cond:
-                if not self._events:
-                    self._cond.wait(min(left, 0.05))
+            self.wait_for_events(min(left, 0.05))
 
     def close(self) -> None:
         self._closed = True
         self._out.put(None)
         if self._call is not None:
             self._call.cancel()
+        for bell in (self._bell_in, self._bell_out):
+            if bell is not None:
+                bell.close()
+
+    def _ring(self) -> None:
+        """Wakes a wait_for_events() blocked on the doorbell (a full socket is awake already)."""
+        if self._bell_out is not None:
+            try:
+                self._bell_out.send(b"")
+            except OSError:
+                pass
 
     def _requests(self, engine_id: str) -> Iterator[pb.WorkerMessage]:
         yield pb.WorkerMessage(attach=pb.WorkerMessage.Attach(engine_id=engine_id, rank=self.rank))
@@ -588,6 +627,7 @@ class WorkerLink:
                         with self._cond:
                             self._events += batch
                             self._cond.notify_all()
+                        self._ring()
             except grpc.RpcError as e:
                 if self._closed:
                     return

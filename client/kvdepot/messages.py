@@ -72,8 +72,10 @@ class RequestReleased:
 
 @dataclass(frozen=True, slots=True)
 class LoadCopied:
-    """A load's bytes are in the engine's blocks; its checksums are still being checked and its
-    OpCompleted follows (only for engines registered with late_load_checks)."""
+    """A load's bytes are in this rank's blocks; its OpCompleted follows with the verdict. The
+    stream reports it for engines registered with late_load_checks (the checksums are still being
+    checked); the doorbell of a worker that handed its memory over reports it for every load (see
+    WorkerLink), so one op may be reported twice."""
 
     op_id: int
 

@@ -2,7 +2,8 @@
 
 A worker that reaches the daemon at unix:PATH keeps its CPU KV tensors in memfds and sends the
 descriptors over unix:PATH.handoff (SCM_RIGHTS); RegisterKvCaches then names them by the ids the
-daemon answered. The daemon maps memory it was given, not a file it opened by name, so:
+daemon answered. It may hand over its doorbell too, a unix datagram socket on which the copy
+threads announce each load the moment its bytes are in (kvdepotd.transfer.host). The daemon maps memory it was given, not a file it opened by name, so:
 - engine and daemon may run as different users, in containers that share no /dev/shm;
 - a worker can only hand over memory it holds itself (a path names any file of the daemon's user);
 - the memfds are sealed against shrinking (checked here), so an engine cannot truncate memory the
@@ -68,6 +69,17 @@ def sealed(fd: int) -> bool:
     except OSError:  # not a file that takes seals (a pipe, a socket, a file outside memfd/tmpfs)
         return False
     return stat.S_ISREG(st.st_mode) and st.st_size > 0 and bool(seals & fcntl.F_SEAL_SHRINK)
+
+
+def doorbell(fd: int) -> bool:
+    """A unix datagram socket: a worker's doorbell (RegisterKvCachesRequest.doorbell_handoff_id)."""
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            return False
+        with socket.socket(fileno=os.dup(fd)) as s:
+            return s.family == socket.AF_UNIX and s.type == socket.SOCK_DGRAM
+    except OSError:
+        return False
 
 
 class Refused(Exception):
@@ -207,11 +219,12 @@ class Handoffs:
             if not fds:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: no descriptors came with the request")
             for i, fd in enumerate(fds):
-                if not sealed(fd):
+                if not (sealed(fd) or doorbell(fd)):
                     raise Refused(
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"handoff: descriptor {i} is not a memfd sealed against shrinking "
-                        "(memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS F_SEAL_SHRINK; kvdepot.handles does this)",
+                        f"handoff: descriptor {i} is neither a memfd sealed against shrinking "
+                        "(memfd_create with MFD_ALLOW_SEALING, then F_ADD_SEALS F_SEAL_SHRINK; kvdepot.handles does this) "
+                        "nor a unix datagram socket (a doorbell)",
                     )
             now = time.monotonic()
             with self._lock:

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -379,13 +380,20 @@ class DepotService(pb_grpc.BlockManagerServicer):
     async def RegisterKvCaches(self, request: pb.RegisterKvCachesRequest, context: grpc.aio.ServicerContext) -> pb.RegisterKvCachesResponse:
         engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
         eng = self.depot.engine_rank(engine_id, request.rank)
-        fds = self._claim(request, eng.namespace)
+        bell = self._doorbell(request, eng.namespace)
         try:
-            # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
-            mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, request, fds)
-        finally:
-            for fd in fds.values():
-                os.close(fd)  # a mapping holds its own reference
+            fds = self._claim(request, eng.namespace)
+            try:
+                # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
+                mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, request, fds)
+            finally:
+                for fd in fds.values():
+                    os.close(fd)  # a mapping holds its own reference
+        except BaseException:
+            if bell is not None:
+                bell.close()
+            raise
+        mapping.doorbell = bell
         self.depot.engine_rank(engine_id, request.rank)  # still registered after the wait
         self.copy.add_mapping(mapping)
         self._touch_lease(engine_id)
@@ -418,6 +426,22 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 os.close(fd)
             raise
         return fds
+
+    def _doorbell(self, request: pb.RegisterKvCachesRequest, namespace: str) -> socket.socket | None:
+        """The worker's doorbell socket (non-blocking), when the request names one."""
+        if not request.doorbell_handoff_id:
+            return None
+        if self.handoffs is None:
+            raise InvalidRequest("this daemon has no handoff socket (it listens on no unix: address): leave doorbell_handoff_id empty")
+        from kvdepotd.handoff import doorbell
+
+        fd = self.handoffs.claim(request.doorbell_handoff_id, namespace)
+        if not doorbell(fd):
+            os.close(fd)
+            raise InvalidRequest(f"doorbell_handoff_id {request.doorbell_handoff_id[:64]!r} names a descriptor that is not a unix datagram socket")
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        return sock
 
     async def _populate(self, mapping: RankMapping) -> None:
         t0 = time.monotonic()

@@ -201,8 +201,10 @@ def test_bad_handoffs_are_refused(depot: DaemonProcess) -> None:
     unsealed, good = memfd(seal=False), memfd()
     try:
         e = refused(depot, [r])
-        assert e.code() is grpc.StatusCode.INVALID_ARGUMENT and "not a memfd sealed against shrinking" in e.details()
+        assert e.code() is grpc.StatusCode.INVALID_ARGUMENT and "neither a memfd sealed against shrinking" in e.details()
         assert "descriptor 0" in refused(depot, [unsealed]).details()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stream:  # a doorbell is a datagram socket
+            assert "nor a unix datagram socket" in refused(depot, [good, stream.fileno()]).details()
         assert "says 2 descriptors and 1 came" in refused(depot, [good], count=2).details()
         assert "no descriptors" in refused(depot, [], count=0).details()
         with pytest.raises(LocalRpcError) as info:
@@ -242,9 +244,51 @@ def test_bad_handoffs_are_refused(depot: DaemonProcess) -> None:
             with pytest.raises(grpc.RpcError) as rpc:  # an id is claimed once
                 c._stub.RegisterKvCaches(req, timeout=5)
             assert "names no descriptor" in rpc.value.details()
+            handoff_id, not_a_bell = hand_over(sock_path(depot), [fds[0], fds[0]])
+            req.storages[0].cpu_shm.handoff_id, req.doorbell_handoff_id = handoff_id, not_a_bell
+            with pytest.raises(grpc.RpcError) as rpc:
+                c._stub.RegisterKvCaches(req, timeout=5)
+            assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "not a unix datagram socket" in rpc.value.details()
         finally:
             close_fds(fds)
         assert c.stats().engines >= 1  # still serving
+
+
+def test_the_doorbell_reports_a_load_ahead_of_the_stream() -> None:
+    """A worker that hands its memory over hands its doorbell over with it: the copy threads send a
+    load's op id on it the moment the rank's part is copied, so poll() has LoadCopied before the
+    stream's OpCompleted, for an engine without late load checks too, and the bytes are in place."""
+    from kvdepot import LoadCopied, OpCompleted, StepBatch
+    from kvdepot.testing.kv import FakeKv
+
+    d = DaemonProcess(args=["--host-gib", "0.0625"]).start()
+    kv = FakeKv(layout(), num_blocks=16)
+    try:
+        with DepotClient(d.unix, strict=True) as c:
+            c.register_engine("bell", layout())
+            w = c.worker(0)
+            assert w.attached.wait(10)
+            [req] = kv.share(memfd=True)
+            assert w.register_kv_caches(req, kv.fds[0])
+            toks = list(range(900, 933))  # blocks 0 and 1 full
+            kv.write([0, 1, 2], toks, range(33))
+            b = StepBatch()
+            b.new("a", toks, [0, 1, 2], computed=0, scheduled=33)
+            w.forward_done(c.step(b).step)
+            w.wait(lambda evs: any(isinstance(e, OpCompleted) for e in evs), 10)
+            assert c.lookup("b", toks).matched_tokens == 32
+            b = StepBatch()
+            b.new("b", toks, [4, 5, 6], computed=32, scheduled=1, loaded=32)
+            [load] = [op for op in c.step(b).ops if op.kind == "load"]
+            evs = w.wait(lambda evs: any(isinstance(e, OpCompleted) and e.op_id == load.op_id for e in evs), 10)
+            mine = [e for e in evs if getattr(e, "op_id", None) == load.op_id]
+            assert [type(e) for e in mine] == [LoadCopied, OpCompleted]
+            assert isinstance(mine[1], OpCompleted) and mine[1].success
+            assert kv.mismatches([4, 5], toks, 32) == []
+            w.close()
+    finally:
+        kv.close()
+        assert d.stop() == 0
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -180,18 +180,20 @@ class KvTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., storage: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterKvCachesRequest(_message.Message):
-    __slots__ = ("engine_id", "rank", "num_blocks", "storages", "tensors")
+    __slots__ = ("engine_id", "rank", "num_blocks", "storages", "tensors", "doorbell_handoff_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORAGES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     rank: int
     num_blocks: int
     storages: _containers.RepeatedCompositeFieldContainer[KvStorage]
     tensors: _containers.RepeatedCompositeFieldContainer[KvTensor]
-    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., storages: _Optional[_Iterable[_Union[KvStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KvTensor, _Mapping]]] = ...) -> None: ...
+    doorbell_handoff_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., storages: _Optional[_Iterable[_Union[KvStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KvTensor, _Mapping]]] = ..., doorbell_handoff_id: _Optional[str] = ...) -> None: ...
 
 class RegisterKvCachesResponse(_message.Message):
     __slots__ = ("mapped_bytes",)

@@ -528,7 +528,7 @@ class _Worker:
                 self.done[ev.op_id] = ev
                 self.new_completed.add(ev.op_id)
                 self.copied.discard(ev.op_id)
-            elif isinstance(ev, LoadCopied):
+            elif isinstance(ev, LoadCopied) and ev.op_id not in self.done:
                 self.copied.add(ev.op_id)
             elif isinstance(ev, RequestReleased):
                 self.released.add(ev.request_id)

@@ -16,7 +16,10 @@ are evenly spaced in one storage, or one ctypes.memmove per run, and then one ha
 bytes. All of them release the GIL, so the threads copy at once. CUDA copies go through a
 dedicated stream and are synchronized before the part reports. A load of an engine with late
 load checks is copied in one pass, reported (`on_copied`, the engine may go on), then checked in a
-second pass; where the native copy checked it on the way, both reports go at once. Engines of
+second pass; where the native copy checked it on the way, both reports go at once. Either way, the
+moment a load's part is copied the copy thread rings the worker's doorbell where it handed one over
+(RankMapping.ring): the worker's wait ends without the hops through the event loop and gRPC (which
+took 1.3 - 4.7 ms beside a vLLM step on two cores), and the reports follow. Engines of
 layout kind "none" have no tensors: their parts end at once (bookkeeping only).
 """
 
@@ -215,16 +218,19 @@ class HostCopyEngine(CopyEngine):
                 part.running -= 1
                 if part.running or part.taken < len(part.work):
                     continue
+                rung = part.checking  # a late-checked load in its check pass rang when its copy pass ended
                 late = part.op.check_late and not part.checking
-                if late and part.mapping.packed is None:  # copied: the engine may go on; now check
+                check_next = late and part.mapping.packed is None  # copied: the engine may go on; now check
+                if check_next:
                     part.checking, part.taken = True, 0
                     self._loads.append(part)
                     self._cond.notify(self.threads)
-                    self._loop.call_soon_threadsafe(self._part_copied, part)
-                    continue
-            if late:  # checked while copying
+            if part.op.kind is OpKind.LOAD and not rung:
+                part.mapping.ring(part.op.op_id)  # straight to the worker, ahead of the event loop's report
+            if late:
                 self._loop.call_soon_threadsafe(self._part_copied, part)
-            self._loop.call_soon_threadsafe(self._part_done, part)
+            if not check_next:
+                self._loop.call_soon_threadsafe(self._part_done, part)
 
     def _part_copied(self, part: _Part) -> None:
         if self.on_copied is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import socket
 import stat
 import sys
 import threading
@@ -60,6 +61,19 @@ class RankMapping:
     # CPU memory with the native block copy built: the runs as blockcopy.pack gives them to
     # copy_block (they tile the host block in order).
     packed: bytes | None = None
+    # The worker's doorbell (a unix datagram socket it handed over, non-blocking): each load's op id
+    # goes out on it the moment this rank's part is copied (HostCopyEngine). Closed when the last
+    # reference goes, like the storages, so a copy still running never sends on a reused descriptor.
+    doorbell: socket.socket | None = None
+
+    def ring(self, op_id: int) -> None:
+        """Tells the worker that `op_id`'s bytes are in its blocks; best effort, never blocks (a full
+        or closed socket drops it: the worker stream's report follows anyway)."""
+        if self.doorbell is not None:
+            try:
+                self.doorbell.send(op_id.to_bytes(8, "little"))
+            except OSError:
+                pass
 
     def block_view(self, bid: int) -> torch.Tensor:
         """The block as a [runs, run bytes] strided uint8 view (only when `uniform`)."""
