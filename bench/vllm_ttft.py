@@ -49,11 +49,11 @@ def prompt(size: int, variant: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(size)]
 
 
-def engine(model: str, **kw: Any) -> Any:
+def engine(model: str, dtype: str, **kw: Any) -> Any:
     from vllm import LLM
 
     return LLM(
-        model=model, dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=True, block_size=BLOCK,
+        model=model, dtype=dtype, max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=True, block_size=BLOCK,
         max_num_seqs=8, seed=0, num_gpu_blocks_override=KV_BLOCKS, **kw,
     )
 
@@ -118,20 +118,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="kvdepot-bench-")
     model = build_tiny_llama(os.path.join(work, "model"), layers=8, hidden=512, heads=8, kv_heads=8, head_dim=64, intermediate=1024)
     R, SIZES = args.repeat, args.sizes
-    res: dict[str, Any] = {"bench": "vllm_ttft", "model": "llama 8x512, 8 heads of 64, float32", "block_size": BLOCK, "repeat": R}
+    res: dict[str, Any] = {"bench": "vllm_ttft", "model": f"llama 8x512, 8 heads of 64, {args.dtype}", "block_size": BLOCK, "repeat": R}
     cases = ("ttft_recompute_ms", "ttft_local_hit_ms", "ttft_daemon_hit_ms", "ttft_cold_with_connector_ms", "ttft_example_connector_ms")
     daemon = DaemonProcess(args=["--host-gib", "3"]).start()
     engines: list[Any] = []
     try:
-        plain = engine(model)
+        plain = engine(model, args.dtype)
         engines.append(plain)
         kv = KVTransferConfig(kv_connector="KvDepotConnector", kv_connector_module_path="kvdepot.vllm", kv_role="kv_both",
                               kv_connector_extra_config={"address": daemon.unix})
-        depot = engine(model, kv_transfer_config=kv)
+        depot = engine(model, args.dtype, kv_transfer_config=kv)
         engines.append(depot)
         ex_kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                  kv_connector_extra_config={"shared_storage_path": os.path.join(work, "example-store")})
-        example = engine(model, kv_transfer_config=ex_kv)
+        example = engine(model, args.dtype, kv_transfer_config=ex_kv)
         engines.append(example)
         for e in engines:  # warm-up that also touches every KV block once (first touches fault pages in)
             for w in range(-(-KV_BLOCKS * BLOCK // max(SIZES))):
@@ -225,6 +225,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=5, help="measured runs per case (median); default 5")
     ap.add_argument("--decode-repeat", type=int, default=5, help="measured decode rounds (a batch on each engine); default 5")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache; default float32")
     ap.add_argument("--sizes", default="2000,3500", help="prompt sizes in tokens; default 2000,3500")
     args = ap.parse_args()
     args.sizes = tuple(int(x) for x in args.sizes.split(","))
