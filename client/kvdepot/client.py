@@ -549,8 +549,8 @@ class WorkerLink:
                     data = self._bell_in.recv(64)
                 except OSError:  # BlockingIOError: nothing more
                     break
-                if len(data) == 8:
-                    out.append(m.LoadCopied(int.from_bytes(data, "little")))
+                if len(data) == 9:
+                    out.append(m.LoadCopied(int.from_bytes(data[:8], "little"), intact=data[8] == 1))
         with self._cond:
             out += self._events
             self._events.clear()

@@ -75,9 +75,11 @@ class LoadCopied:
     """A load's bytes are in this rank's blocks; its OpCompleted follows with the verdict. The
     stream reports it for engines registered with late_load_checks (the checksums are still being
     checked); the doorbell of a worker that handed its memory over reports it for every load (see
-    WorkerLink), so one op may be reported twice."""
+    WorkerLink), so one op may be reported twice. `intact`: (doorbell only) every block was copied
+    and matched its checksum already, so even an engine that must not use unchecked bytes may go on."""
 
     op_id: int
+    intact: bool = False
 
 
 WorkerEvent = OpCompleted | RequestReleased | LoadCopied

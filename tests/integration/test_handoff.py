@@ -257,11 +257,13 @@ def test_bad_handoffs_are_refused(depot: DaemonProcess) -> None:
 def test_the_doorbell_reports_a_load_ahead_of_the_stream() -> None:
     """A worker that hands its memory over hands its doorbell over with it: the copy threads send a
     load's op id on it the moment the rank's part is copied, so poll() has LoadCopied before the
-    stream's OpCompleted, for an engine without late load checks too, and the bytes are in place."""
-    from kvdepot import LoadCopied, OpCompleted, StepBatch
+    stream's OpCompleted, for an engine without late load checks too. It says whether every block
+    matched its checksum: not for a block the daemon corrupted (fault injection), yes for a good load,
+    whose bytes are in place."""
+    from kvdepot import LoadCopied, OpCompleted, RequestReleased, StepBatch
     from kvdepot.testing.kv import FakeKv
 
-    d = DaemonProcess(args=["--host-gib", "0.0625"]).start()
+    d = DaemonProcess(args=["--host-gib", "0.0625", "--fault-corrupt-loads", "1"]).start()
     kv = FakeKv(layout(), num_blocks=16)
     try:
         with DepotClient(d.unix, strict=True) as c:
@@ -270,21 +272,29 @@ def test_the_doorbell_reports_a_load_ahead_of_the_stream() -> None:
             assert w.attached.wait(10)
             [req] = kv.share(memfd=True)
             assert w.register_kv_caches(req, kv.fds[0])
-            toks = list(range(900, 933))  # blocks 0 and 1 full
-            kv.write([0, 1, 2], toks, range(33))
-            b = StepBatch()
-            b.new("a", toks, [0, 1, 2], computed=0, scheduled=33)
-            w.forward_done(c.step(b).step)
-            w.wait(lambda evs: any(isinstance(e, OpCompleted) for e in evs), 10)
-            assert c.lookup("b", toks).matched_tokens == 32
-            b = StepBatch()
-            b.new("b", toks, [4, 5, 6], computed=32, scheduled=1, loaded=32)
-            [load] = [op for op in c.step(b).ops if op.kind == "load"]
-            evs = w.wait(lambda evs: any(isinstance(e, OpCompleted) and e.op_id == load.op_id for e in evs), 10)
-            mine = [e for e in evs if getattr(e, "op_id", None) == load.op_id]
-            assert [type(e) for e in mine] == [LoadCopied, OpCompleted]
-            assert isinstance(mine[1], OpCompleted) and mine[1].success
-            assert kv.mismatches([4, 5], toks, 32) == []
+
+            def load(rid: str, toks: list[int], first: int) -> tuple[LoadCopied, OpCompleted]:
+                kv.write([first, first + 1, first + 2], toks, range(33))
+                b = StepBatch()
+                b.new(f"{rid}-store", toks, [first, first + 1, first + 2], computed=0, scheduled=33)
+                w.forward_done(c.step(b).step)
+                w.wait(lambda evs: any(isinstance(e, OpCompleted) for e in evs), 10)
+                assert c.lookup(rid, toks).matched_tokens == 32
+                b = StepBatch()
+                b.new(rid, toks, [first + 3, first + 4, first + 5], computed=32, scheduled=1, loaded=32)
+                [op] = [op for op in c.step(b).ops if op.kind == "load"]
+                evs = w.wait(lambda evs: any(isinstance(e, OpCompleted) and e.op_id == op.op_id for e in evs), 10)
+                mine = [e for e in evs if not isinstance(e, RequestReleased) and e.op_id == op.op_id]
+                assert [type(e) for e in mine] == [LoadCopied, OpCompleted]
+                copied, done = mine
+                assert isinstance(copied, LoadCopied) and isinstance(done, OpCompleted)
+                return copied, done
+
+            copied, done = load("bad", list(range(900, 933)), 0)  # the daemon corrupts the first block it loads
+            assert not copied.intact and done.failed_block_ids == (3,)
+            copied, done = load("good", list(range(2000, 2033)), 8)
+            assert copied.intact and done.success
+            assert kv.mismatches([11, 12], list(range(2000, 2033)), 32) == []
             w.close()
     finally:
         kv.close()

@@ -225,8 +225,8 @@ class HostCopyEngine(CopyEngine):
                     part.checking, part.taken = True, 0
                     self._loads.append(part)
                     self._cond.notify(self.threads)
-            if part.op.kind is OpKind.LOAD and not rung:
-                part.mapping.ring(part.op.op_id)  # straight to the worker, ahead of the event loop's report
+            if part.op.kind is OpKind.LOAD and not rung:  # straight to the worker, ahead of the event loop's report
+                part.mapping.ring(part.op.op_id, intact=not (check_next or part.failed or part.corrupt))
             if late:
                 self._loop.call_soon_threadsafe(self._part_copied, part)
             if not check_next:
@@ -271,8 +271,9 @@ class HostCopyEngine(CopyEngine):
         arena, pool, faults = self.arena, op.registry.pool, self.faults
         if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
-        for i, bid, slot in work:
+        for k, (i, bid, slot) in enumerate(work):
             if rank not in op.parts_left:  # the op ended (its deadline passed): touch no more engine blocks
+                failed += [j for j, _, _ in work[k:]]
                 break
             if bid >= m.num_blocks:
                 failed.append(i)

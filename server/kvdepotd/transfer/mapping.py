@@ -66,12 +66,13 @@ class RankMapping:
     # reference goes, like the storages, so a copy still running never sends on a reused descriptor.
     doorbell: socket.socket | None = None
 
-    def ring(self, op_id: int) -> None:
-        """Tells the worker that `op_id`'s bytes are in its blocks; best effort, never blocks (a full
-        or closed socket drops it: the worker stream's report follows anyway)."""
+    def ring(self, op_id: int, intact: bool) -> None:
+        """Tells the worker that `op_id`'s bytes are in its blocks, and whether every one of them was
+        copied and matched its checksum already; best effort, never blocks (a full or closed socket
+        drops it: the worker stream's report follows anyway)."""
         if self.doorbell is not None:
             try:
-                self.doorbell.send(op_id.to_bytes(8, "little"))
+                self.doorbell.send(op_id.to_bytes(8, "little") + bytes([intact]))
             except OSError:
                 pass
 
