@@ -469,11 +469,12 @@ class WorkerLink:
     forward_done() never blocks; poll() returns the events that arrived; wait() blocks up to a timeout.
 
     When the KV memory is handed over (memfds, a daemon reached at unix:PATH), the link hands over a
-    doorbell with it: one end of a unix datagram socket pair, on which the daemon's copy threads send each load's op id the
-    moment this rank's part is copied. poll() reports those as LoadCopied, ahead of the stream's own
-    report (which crosses the daemon's event loop and gRPC's threads on both sides: 1.3 - 4.7 ms on
-    two cores beside a vLLM step, against 0.2 - 0.9 for the doorbell); the stream's reader thread
-    rings the same socket with an empty datagram, so waiting is one select() on it either way.
+    doorbell with it: one end of a unix datagram socket pair, on which the daemon's copy threads
+    send each load's op id the moment this rank's part is copied. poll() reports those as
+    LoadCopied, ahead of the stream's own report (which crosses the daemon's event loop and gRPC's
+    threads on both sides: 1.3 - 4.7 ms on two cores beside a vLLM step, against 0.1 - 0.4 for the
+    doorbell); the stream's reader thread rings the same socket with an empty datagram, so waiting
+    is one select() on it either way.
     """
 
     def __init__(self, client: DepotClient, rank: int) -> None:

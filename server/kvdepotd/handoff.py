@@ -3,7 +3,8 @@
 A worker that reaches the daemon at unix:PATH keeps its CPU KV tensors in memfds and sends the
 descriptors over unix:PATH.handoff (SCM_RIGHTS); RegisterKvCaches then names them by the ids the
 daemon answered. It may hand over its doorbell too, a unix datagram socket on which the copy
-threads announce each load the moment its bytes are in (kvdepotd.transfer.host). The daemon maps memory it was given, not a file it opened by name, so:
+threads announce each load the moment its bytes are in (kvdepotd.transfer.host). The daemon maps
+memory it was given, not a file it opened by name, so:
 - engine and daemon may run as different users, in containers that share no /dev/shm;
 - a worker can only hand over memory it holds itself (a path names any file of the daemon's user);
 - the memfds are sealed against shrinking (checked here), so an engine cannot truncate memory the
