@@ -478,8 +478,7 @@ class _Worker:
         self.link: WorkerLink | None = None
         self.cuda = False
         self.done: collections.OrderedDict[int, OpCompleted] = collections.OrderedDict()
-        self.copied: set[int] = set()  # loads whose bytes are in (their OpCompleted follows)
-        self.intact: set[int] = set()  # ... and checked already (the doorbell said so)
+        self.copied: set[int] = set()  # loads the forward may use, their OpCompleted to follow: bytes in (and checked, without late checks)
         self.late = cfg.late_checks_for(layout) if layout is not None else False  # the forward may use unchecked bytes
         self.checking: list[LoadJob] = []  # this step's synchronous loads, until their checks end
         self.released: set[str] = set()
@@ -530,11 +529,8 @@ class _Worker:
                 self.done[ev.op_id] = ev
                 self.new_completed.add(ev.op_id)
                 self.copied.discard(ev.op_id)
-                self.intact.discard(ev.op_id)
-            elif isinstance(ev, LoadCopied) and ev.op_id not in self.done:
+            elif isinstance(ev, LoadCopied) and ev.op_id not in self.done and (ev.intact or self.late):
                 self.copied.add(ev.op_id)
-                if ev.intact:
-                    self.intact.add(ev.op_id)
             elif isinstance(ev, RequestReleased):
                 self.released.add(ev.request_id)
         while len(self.done) > 100_000:  # completions nobody waits for (stores): keep a window
@@ -558,14 +554,12 @@ class _Worker:
     def _in_place(self, job: LoadJob) -> bool:
         """The job's bytes are in the engine's blocks (and checked, unless the engine takes late load
         checks), or it is settled."""
-        ready = self.copied if self.late else self.intact
-        return all(op in self.done or op in ready for op in job.ops) or self._settled(job)
+        return all(op in self.done or op in self.copied for op in job.ops) or self._settled(job)
 
     def _fail_unloaded(self, job: LoadJob) -> None:
         ok: set[int] = set()
         for op_id, blocks in job.ops.items():
             self.copied.discard(op_id)
-            self.intact.discard(op_id)
             ev = self.done.pop(op_id, None)
             if ev is not None:
                 ok.update(set(blocks) - set(ev.failed_block_ids))
