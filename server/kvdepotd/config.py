@@ -28,6 +28,7 @@ class DaemonConfig:
     host_gib: float = 4.0
     slab_mib: int = 64
     copy_threads: int = 2
+    store_nice: int = 10
     metrics_listen: str = "127.0.0.1:9464"
     lease_ms: int = 30_000
     pin_ms: int = 30_000
@@ -71,8 +72,11 @@ HELP: dict[str, str] = {
     "listen": f"address to serve gRPC on: HOST:PORT or unix:PATH (repeatable; env: comma-separated). Default {DEFAULT_LISTEN}",
     "host_gib": "host-memory tier size in GiB (G2). Default 4",
     "slab_mib": "slab size in MiB; the host tier is handed to layout classes in slabs. Default 64",
-    "copy_threads": "threads copying blocks between engines and the host tier (loads before stores); more help where "
-    "there are cores and memory bandwidth to spare. Default 2",
+    "copy_threads": "threads copying loads between engines and the host tier, and as many copying stores; more help "
+    "where there are cores and memory bandwidth to spare. Default 2",
+    "store_nice": "how much lower than the daemon's the priority of the threads copying stores is (a nice increment, "
+    "0-19): a store is background work that gives the CPU to the engine and to loads; 0 runs stores like loads. "
+    "Default 10",
     "metrics_listen": "HOST:PORT for Prometheus /metrics over HTTP; empty disables. Default 127.0.0.1:9464",
     "lease_ms": "engine lease: an engine that sends no heartbeat for this long is released. Default 30000",
     "pin_ms": "how long a Lookup keeps its matched blocks pinned by default. Default 30000",
@@ -171,6 +175,15 @@ def _bool(v: Any) -> bool:
     raise ValueError("expected true or false")
 
 
+def _nice(v: Any) -> int:
+    if isinstance(v, bool):
+        raise ValueError("expected an integer")
+    x = int(v)
+    if not 0 <= x <= 19:
+        raise ValueError("must be a nice increment in 0..19")
+    return x
+
+
 def _fraction(v: Any) -> float:
     if isinstance(v, bool):
         raise ValueError("expected a number")
@@ -205,6 +218,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "host_gib": _positive("host_gib", float, allow_zero=True),
     "slab_mib": _positive("slab_mib", int),
     "copy_threads": _positive("copy_threads", int),
+    "store_nice": _nice,
     "metrics_listen": _text,
     "lease_ms": _positive("lease_ms", int),
     "pin_ms": _positive("pin_ms", int),

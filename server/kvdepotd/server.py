@@ -181,7 +181,7 @@ class Daemon:
         faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads)
         if faults.load_delay_ms or faults.corrupt_loads:
             log.warning("fault injection on: loads wait %d ms; the next %d loaded blocks are corrupted", faults.load_delay_ms, faults.corrupt_loads)
-        self.service = DepotService(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, faults=faults)
+        self.service = DepotService(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, store_nice=cfg.store_nice, faults=faults)
         self.service.auth = tokens
         self.recovery = Recovery()
         if cfg.disk_dir:

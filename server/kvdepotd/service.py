@@ -114,10 +114,10 @@ class WorkerChannel:
 
 
 class DepotService(pb_grpc.BlockManagerServicer):
-    def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None) -> None:
+    def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None, store_nice: int = 10) -> None:
         self.depot = depot
         self.metrics = metrics
-        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied)
+        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice)
         self._pumping = False
         self.channels: dict[tuple[EngineId, int], WorkerChannel] = {}
         self.backlog: dict[tuple[EngineId, int], deque[pb.WorkerEvent]] = {}

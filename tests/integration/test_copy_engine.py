@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 
@@ -75,15 +76,32 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
     asyncio.run(main())
 
 
-async def load_and_store_order() -> list[OpKind]:
+async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[OpKind], dict[OpKind, set[int]]]:
+    """A store is submitted, then, once its copy has begun, a load; the store's copy is held until
+    the load has ended (or 1 s). Returns the order they ended in and the nice values of the threads that copied each kind."""
     """One copy thread, an 8-block store queued, then a 4-block load: the order the two end in."""
     arena = HostArena(1 << 20)
     depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
     order: list[OpKind] = []
+    load_done, hold, store_started = threading.Event(), threading.Event(), threading.Event()
+    nice: dict[OpKind, set[int]] = {OpKind.LOAD: set(), OpKind.STORE: set()}
+    real_copy = HostCopyEngine._copy
+
+    def copy_(self: HostCopyEngine, part: host._Part, work: host.Work, first: bool) -> tuple[list[int], list[int], str]:
+        nice[part.op.kind].add(os.getpriority(os.PRIO_PROCESS, 0))  # (0: this thread, on Linux)
+        if part.op.kind is OpKind.STORE and hold.is_set():
+            store_started.set()
+            load_done.wait(1.0)
+        return real_copy(self, part, work, first)
+
+    monkeypatch.setattr(HostCopyEngine, "_copy", copy_)
 
     def done(parts: list[PartDone]) -> None:
         for d in parts:
-            order.append(depot.ops.ops[OpId(d.op_id)].kind)
+            kind = depot.ops.ops[OpId(d.op_id)].kind
+            order.append(kind)
+            if kind is OpKind.LOAD:
+                load_done.set()
             depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
 
     copy = HostCopyEngine(done, arena, threads=1)
@@ -99,6 +117,7 @@ async def load_and_store_order() -> list[OpKind]:
     depot.forward_done(E, 0, 1)
     await run_ops(depot, copy)
     order.clear()
+    hold.set()
     kv.write(list(range(5, 14)), b, range(129))
     depot.step(E, 2, [SlotUpdate(RequestId("b"), True, 0, 129, tokens_to_bytes(b), tuple(range(5, 14)))], [], [], 0)
     depot.forward_done(E, 0, 2)  # the 8-block store may start now
@@ -106,21 +125,27 @@ async def load_and_store_order() -> list[OpKind]:
     kv.poison([20, 21, 22, 23])
     depot.step(E, 3, [SlotUpdate(RequestId("c"), True, 64, 1, tokens_to_bytes(a), (20, 21, 22, 23, 24), 0, 64)], [], [], 0)
     parts = depot.take_ready()
-    assert [op.kind for op, _ in parts] == [OpKind.STORE, OpKind.LOAD]  # the store was queued first
-    copy.submit(parts)
+    assert [op.kind for op, _ in parts] == [OpKind.STORE, OpKind.LOAD]
+    copy.submit(parts[:1])
+    assert await asyncio.to_thread(store_started.wait, 1.0)  # the store's copy has begun (and is held)
+    copy.submit(parts[1:])
     await run_ops(depot, copy)
     assert kv.mismatches([20, 21, 22, 23], a, 64) == []
     depot.check_invariants()
     await copy.close()
     kv.close()
-    return order
+    return order, nice
 
 
-def test_a_load_overtakes_queued_stores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A load is on the engine's critical path, a store is not: with one copy thread taking one
-    block at a time, a load submitted behind an 8-block store ends first (and is byte-exact)."""
-    monkeypatch.setattr(host, "GRAIN_BYTES", 1)
-    assert asyncio.run(load_and_store_order()) == [OpKind.LOAD, OpKind.STORE]
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_loads_and_stores_have_their_own_threads_stores_at_lower_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load is on the engine's critical path, a store is background work: a load submitted behind
+    a store whose copy is stuck still runs and ends first (byte-exact), and stores are copied by
+    threads `store_nice` (10) below the daemon's priority, loads at the daemon's own."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    order, nice = asyncio.run(load_and_store_order(monkeypatch))
+    assert order == [OpKind.LOAD, OpKind.STORE]
+    assert nice == {OpKind.LOAD: {base}, OpKind.STORE: {min(19, base + 10)}}
 
 
 def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> None:
@@ -172,15 +197,6 @@ def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> 
         kv.close()
 
     asyncio.run(main())
-
-
-def test_a_store_that_waited_long_goes_before_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loads first, but not forever: a store that waited STORE_WAIT_S behind loads goes next (it
-    may hold a finished request's blocks in the engine). With the wait at zero, the store queued
-    first ends first."""
-    monkeypatch.setattr(host, "GRAIN_BYTES", 1)
-    monkeypatch.setattr(host, "STORE_WAIT_S", 0.0)
-    assert asyncio.run(load_and_store_order()) == [OpKind.STORE, OpKind.LOAD]
 
 
 def _rss_kib(address: int) -> int:
