@@ -285,8 +285,8 @@ class Daemon:
                 "daemon's user, another tenant's too: set shm_paths = false (engines at a unix: address hand their memory over)"
             )
         log.info(
-            "host tier %.2f GiB (%d-MiB slabs, %d copy threads), lease %d ms, op deadline %d ms, metrics %s",
-            self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
+            "host tier %.2f GiB (%d-MiB slabs, %d + %d copy threads for loads + stores, stores at nice +%d), lease %d ms, op deadline %d ms, metrics %s",
+            self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.copy_threads, self.cfg.store_nice, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
         )
         if self.cfg.disk_dir:
             log.info(
