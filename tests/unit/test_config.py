@@ -46,6 +46,8 @@ def test_precedence_flags_over_env_over_file(tmp_path) -> None:  # type: ignore[
         (["--socket-mode", "rw-rw----"], {}, "octal"),
         ([], {"KVDEPOT_SOCKET_MODE": "1777"}, "KVDEPOT_SOCKET_MODE"),
         (["--shm-paths", "maybe"], {}, "true or false"),
+        (["--store-nice", "20"], {}, "--store-nice"),
+        ([], {"KVDEPOT_STORE_NICE": "-5"}, "0..19"),
     ],
 )
 def test_bad_values_name_the_option(argv: list[str], env: dict[str, str], words: str) -> None:
