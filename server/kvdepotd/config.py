@@ -128,11 +128,13 @@ HELP: dict[str, str] = {
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def _positive(name: str, conv: Callable[[Any], Any], allow_zero: bool = False) -> Callable[[Any], Any]:
+def _positive(name: str, conv: Callable[[Any], Any], allow_zero: bool = False, most: int | None = None) -> Callable[[Any], Any]:
     def check(v: Any) -> Any:
         if isinstance(v, bool):
             raise ValueError("expected a number")
         x = conv(v)
+        if most is not None and not 0 <= x <= most:
+            raise ValueError(f"must be in 0..{most}")
         if x < 0 or (x == 0 and not allow_zero):
             raise ValueError(f"must be {'>= 0' if allow_zero else '> 0'}")
         return x
@@ -175,15 +177,6 @@ def _bool(v: Any) -> bool:
     raise ValueError("expected true or false")
 
 
-def _nice(v: Any) -> int:
-    if isinstance(v, bool):
-        raise ValueError("expected an integer")
-    x = int(v)
-    if not 0 <= x <= 19:
-        raise ValueError("must be a nice increment in 0..19")
-    return x
-
-
 def _fraction(v: Any) -> float:
     if isinstance(v, bool):
         raise ValueError("expected a number")
@@ -218,7 +211,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "host_gib": _positive("host_gib", float, allow_zero=True),
     "slab_mib": _positive("slab_mib", int),
     "copy_threads": _positive("copy_threads", int),
-    "store_nice": _nice,
+    "store_nice": _positive("store_nice", int, allow_zero=True, most=19),
     "metrics_listen": _text,
     "lease_ms": _positive("lease_ms", int),
     "pin_ms": _positive("pin_ms", int),

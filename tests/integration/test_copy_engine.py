@@ -77,9 +77,9 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
 
 
 async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[OpKind], dict[OpKind, set[int]]]:
-    """A store is submitted, then, once its copy has begun, a load; the store's copy is held until
-    the load has ended (or 1 s). Returns the order they ended in and the nice values of the threads that copied each kind."""
-    """One copy thread, an 8-block store queued, then a 4-block load: the order the two end in."""
+    """One copy thread per queue: an 8-block store is submitted, then, once its copy has begun, a
+    4-block load; the store's copy is held until the load has ended (or 1 s). Returns the order the
+    two ended in and the nice values of the threads that copied each kind."""
     arena = HostArena(1 << 20)
     depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
     order: list[OpKind] = []

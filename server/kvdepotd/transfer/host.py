@@ -5,10 +5,10 @@ engine's critical path (the request cannot run until it lands), a store is backg
 threads run at the daemon's priority; store threads at `store_nice` (10 by default), so a store
 gives the CPU to the engine and to loads and takes what they leave (on two cores beside a vLLM
 CPU worker, a cold prefill's stores used to slow the step's sampling and output: cold TTFT 1.8 -
-1.9% lower with them niced, side by side), and a store never waits behind loads nor a load behind stores. Each copy
-thread takes a few blocks at a time (about 8 MiB, fewer near a part's end) from the first waiting
-part of its queue, so the threads share one large op to its last block instead of one finishing
-its fixed chunk while the other still has a whole one to go.
+1.9% lower with them niced, side by side), and a store never waits behind loads nor a load behind
+stores. Each copy thread takes a few blocks at a time (about 8 MiB, fewer near a part's end) from
+the first waiting part of its queue, so the threads share one large op to its last block instead of
+one finishing its fixed chunk while the other still has a whole one to go.
 
 Every block moved gets an xxh3 checksum per (block, rank): a store takes it, a load compares it
 after copying and reports a mismatch as a corrupt block (the engine recomputes, the tier drops
@@ -171,20 +171,15 @@ class HostCopyEngine(CopyEngine):
             self.on_done([PartDone(op.op_id, rank, sorted(op.failed), op.message)])
             return
         part = _Part(op, rank, mapping, layout, work, self._forward_event(op, rank), failed=sorted(op.failed), message=op.message)
-        load = op.kind is OpKind.LOAD
+        queue, kind = (self._loads, "load") if op.kind is OpKind.LOAD else (self._stores, "store")
         with self._cond:
-            (self._loads if load else self._stores).append(part)
-            self._spawn(self._loads if load else self._stores)
+            queue.append(part)
+            started = sum(t.name.startswith(f"kvdepot-{kind}_") for t in self._workers)
+            for k in range(started, self.threads):  # the queue's threads start with its first part
+                t = threading.Thread(target=self._run, args=(queue,), name=f"kvdepot-{kind}_{k}", daemon=True)
+                self._workers.append(t)
+                t.start()
             self._cond.notify_all()
-
-    def _spawn(self, queue: deque[_Part]) -> None:
-        """Starts the threads of `queue` (the loads' or the stores'), the first time it gets work."""
-        mine = [t for t in self._workers if t.name.startswith("kvdepot-load" if queue is self._loads else "kvdepot-store")]
-        for k in range(len(mine), self.threads):
-            name = f"kvdepot-load_{k}" if queue is self._loads else f"kvdepot-store_{k}"
-            t = threading.Thread(target=self._run, args=(queue,), name=name, daemon=True)
-            self._workers.append(t)
-            t.start()
 
     def _take(self, queue: deque[_Part]) -> tuple[_Part, Work, bool] | None:
         """The next blocks to copy (under the lock) from the first part of `queue`, and whether they
