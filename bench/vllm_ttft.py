@@ -23,6 +23,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -115,7 +116,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvdepot.testing import DaemonProcess
     from kvdepot.testing.tiny_llama import build_tiny_llama
 
-    work = tempfile.mkdtemp(prefix="kvdepot-bench-")
+    # On tmpfs: ExampleConnector writes every prompt's KV (62 or 109 MiB) to files, and on a disk
+    # the kernel flushes them some 30 s later, in the middle of other cases' measurements.
+    work = tempfile.mkdtemp(prefix="kvdepot-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     model = build_tiny_llama(os.path.join(work, "model"), layers=8, hidden=512, heads=8, kv_heads=8, head_dim=64, intermediate=1024)
     R, SIZES = args.repeat, args.sizes
     res: dict[str, Any] = {"bench": "vllm_ttft", "model": f"llama 8x512, 8 heads of 64, {args.dtype}", "block_size": BLOCK, "repeat": R}
@@ -194,6 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for e in engines:
             close(e)
         daemon.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
     res["decode_tps_plain"] = median(plain_tps)
     res["decode_tps_kvdepot"] = median(kv_tps)
