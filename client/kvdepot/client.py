@@ -394,20 +394,6 @@ class DepotClient(_ClientCore):
         r = self._lane.call(req, timeout_s)
         return r if r is not None else self._session.call(req, timeout_s)
 
-    def ops_in_flight(self, request_id: str, timeout_s: float | None = None) -> int | None:
-        """How many ops of a request the daemon still runs; None when it does not answer in time
-        (or does not know the engine). 0 for a request it never saw or already released."""
-        if not self.engine_id:
-            return None
-        try:
-            r = self._stub.GetSlot(pb.GetSlotRequest(engine_id=self.engine_id, request_id=request_id), timeout=timeout_s or self.deadline_s)
-            return int(r.summary.ops_in_flight)
-        except grpc.RpcError as e:
-            if e.code() is grpc.StatusCode.NOT_FOUND and "has no request" in (e.details() or ""):
-                return 0
-            _degraded(self, e, "ops_in_flight")
-            return None
-
     def worker(self, rank: int = 0) -> WorkerLink:
         """The worker side of rank `rank`: forward-done out, op completions in (one stream, kept open)."""
         link = WorkerLink(self, rank)

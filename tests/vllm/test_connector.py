@@ -8,12 +8,16 @@ loaded would pass the first check, not the second.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from vllm import LLM
+from vllm.v1.request import RequestStatus
 
 from kvdepot import DepotClient
 from kvdepot.testing import DaemonProcess
+from kvdepot.vllm.config import ConnectorConfig
+from kvdepot.vllm.connector import _Req, _Scheduler
 from tests.vllm.engine import BATCH, BLOCK, P, Q, connector_of, engine_args, generate, kv_config, reset
 
 pytestmark = pytest.mark.vllm
@@ -61,6 +65,28 @@ def test_cold_then_reset_is_served_by_the_daemon(daemon: DaemonProcess, llm: LLM
     assert after["loaded_blocks"] - before["loaded_blocks"] == 3
     assert after["load_failed_blocks"] == before["load_failed_blocks"]
     assert "(memory handed over)" in daemon.log()  # at unix:PATH the worker handed over memfds
+    assert llm.reset_prefix_cache()  # the hit stored nothing: vLLM freed its blocks at once
+
+
+@pytest.mark.parametrize(
+    ("status", "kinds", "delayed"),
+    [
+        (RequestStatus.FINISHED_STOPPED, ["load"], False),  # its last token came from a forward after the load
+        (RequestStatus.FINISHED_LENGTH_CAPPED, ["load", "load"], False),
+        (RequestStatus.FINISHED_STOPPED, ["load", "store"], True),  # the store may still read its blocks
+        (RequestStatus.FINISHED_ABORTED, ["load"], True),  # aborted while its (async) load may still write
+        (RequestStatus.FINISHED_ABORTED, [], False),
+    ],
+)
+def test_request_finished_decides_without_a_round_trip(status: RequestStatus, kinds: list[str], delayed: bool) -> None:
+    """request_finished is on the path of every request's output: it decides from the kinds of the
+    request's open ops, and the next Step's answer says whether the daemon still holds it."""
+    sched = _Scheduler(ConnectorConfig(), None, "model", "key")
+    sched.client = SimpleNamespace(epoch=3)  # type: ignore[assignment]  # any call to the daemon would raise
+    sched.reqs["r"] = _Req(request=None, epoch=3, open_ops=dict(enumerate(kinds)))
+    assert sched.finished(SimpleNamespace(request_id="r", status=status)) is delayed  # type: ignore[arg-type]
+    assert ("r" in sched.delayed) is delayed
+    assert sched.to_finish == ["r"]  # the daemon hears of the finish either way
 
 
 def test_mixed_local_64_external_32_never_stores_the_local_blocks_again(llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:

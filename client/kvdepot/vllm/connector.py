@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from kvdepot import handles
 from kvdepot.client import DepotClient, WorkerLink
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvdepot.vllm")
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
+# Finish reasons that come from a sampled token, so from a forward after all of the request's loads.
+_SAMPLED_STOPS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
 
 
 # -- what crosses the process boundary ----------------------------------------------------------------
@@ -143,7 +146,7 @@ class KvDepotConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        return self._sched.finished(request.request_id), None
+        return self._sched.finished(request), None
 
     # -- worker role -----------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -253,7 +256,7 @@ class _Req:
     sent_tokens: int = 0
     sent_blocks: int = 0
     sent_end: int = 0  # computed + scheduled of the last update sent
-    open_ops: set[int] = field(default_factory=set)
+    open_ops: dict[int, str] = field(default_factory=dict)  # op id -> kind, until its completion comes back
     lost: bool = False  # a Step carrying its update went unanswered (see _take_result)
 
 
@@ -423,7 +426,7 @@ class _Scheduler:
         for op in result.ops:
             st = self.reqs.get(op.request_id)
             if st is not None:
-                st.open_ops.add(op.op_id)
+                st.open_ops[op.op_id] = op.kind
                 self.op_owner[op.op_id] = op.request_id
             if op.kind == "load":
                 by_req[op.request_id][op.op_id] = op.block_ids
@@ -438,9 +441,17 @@ class _Scheduler:
             rid = self.op_owner.pop(op_id, None)
             st = self.reqs.get(rid) if rid is not None else None
             if st is not None:
-                st.open_ops.discard(op_id)
+                st.open_ops.pop(op_id, None)
 
-    def finished(self, rid: str) -> bool:
+    def finished(self, request: Request) -> bool:
+        """Whether vLLM must keep the request's blocks until the daemon released it. Decided here,
+        without a round trip: completions reach the scheduler a step late (through the workers), so
+        open ops are known from their kind. A request that stopped on a sampled token ran a forward
+        after each of its loads, and a worker ends a step only once that step's loads ended (async
+        loads end before the request is scheduled): only its stores can still run. An aborted
+        request's load may. The next Step's answer (delay_free) says whether the daemon still holds
+        it, and the worker reports the release."""
+        rid = request.request_id
         self.guess.pop(rid, None)
         st = self.reqs.pop(rid, None)
         if st is None or self.client is None or st.epoch != self.client.epoch:
@@ -448,11 +459,8 @@ class _Scheduler:
         self.to_finish.append(rid)
         for op_id in st.open_ops:
             self.op_owner.pop(op_id, None)
-        if st.open_ops and not st.lost:
-            # Completions reach the scheduler a step late (through the workers): ask the daemon.
-            if self.client.ops_in_flight(rid, self.cfg.lookup_timeout_ms / 1000) == 0:
-                return False
-        if st.open_ops or st.lost:  # a store (or a late load) may still touch its blocks: free on release
+        loads_ended = request.status in _SAMPLED_STOPS
+        if st.lost or any(kind == "store" or not loads_ended for kind in st.open_ops.values()):
             self.delayed.add(rid)
             return True
         return False
