@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=5, help="measured runs per case (median); default 5")
-    # 9, not 5: on a two-core VM one round's ratio ranged 0.70 - 1.94 (a batch of 6 s taking twice
+    # 9, not 5: on a two-core VM one round's ratio ranged 0.61 - 1.95 (a batch of 6 s taking twice
     # as long now and then), and a median of 5 such rounds still fell on either side of 0.95.
     ap.add_argument("--decode-repeat", type=int, default=9, help="measured decode rounds (a batch on each engine); default 9")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache; default float32")
