@@ -12,7 +12,7 @@ warm-up. Cases, per prompt size:
     ttft_local_hit_with_connector_ms  kvdepot, the prompt still in vLLM's own prefix cache: the same
                                  engine's local hit, so daemon_hit_over_own_local_hit (reported, not
                                  judged) is free of the speed two engine instances differ by (the
-                                 connector engine's local hit measured 0.90x the plain engine's)
+                                 connector engine's local hit measured 0.90 - 1.19x the plain engine's)
 and decode_tps_ratio: output tokens/s of 8 requests generating 256 tokens each, with the connector
 and a running daemon over without the connector (a decode step that completes no block must not
 wait on the daemon), the median over --decode-repeat rounds of the two engines back to back.
