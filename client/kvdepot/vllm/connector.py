@@ -459,8 +459,8 @@ class _Scheduler:
         self.to_finish.append(rid)
         for op_id in st.open_ops:
             self.op_owner.pop(op_id, None)
-        loads_ended = request.status in _SAMPLED_STOPS
-        if st.lost or any(kind == "store" or not loads_ended for kind in st.open_ops.values()):
+        kinds = set(st.open_ops.values())  # a store may still read its blocks, a load still write them
+        if st.lost or "store" in kinds or (kinds and request.status not in _SAMPLED_STOPS):
             self.delayed.add(rid)
             return True
         return False
