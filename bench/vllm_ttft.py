@@ -11,13 +11,14 @@ warm-up. Cases, per prompt size:
     ttft_example_connector_ms    vLLM's ExampleConnector after reset_prefix_cache()
     ttft_local_hit_with_connector_ms  kvdepot, the prompt still in vLLM's own prefix cache: the same
                                  engine's local hit, so daemon_hit_over_own_local_hit (reported, not
-                                 judged) is free of the speed two engine instances differ by (the
-                                 connector engine's local hit measured 0.90 - 1.19x the plain engine's)
+                                 judged) is free of the speed two engine instances differ by (with
+                                 --omp-bind nobind, 0.90 - 1.19x the plain engine's local hit)
 and decode_tps_ratio: output tokens/s of 8 requests generating 256 tokens each, with the connector
 and a running daemon over without the connector (a decode step that completes no block must not
 wait on the daemon), the median over --decode-repeat rounds of the two engines back to back.
 Targets: daemon hit <= 1.5x local hit and >= 5x faster than recompute; cold overhead <= 5%;
-decode_tps_ratio >= 0.95.
+decode_tps_ratio >= 0.95. Every engine runs with vLLM's default CPU binding for an engine without a
+connector (--omp-bind auto, --reserved-cpus 1; see main()).
 """
 
 from __future__ import annotations
@@ -34,12 +35,8 @@ import tempfile
 import time
 from typing import Any
 
-# VLLM_CPU_OMP_THREADS_BIND=nobind: with vLLM's automatic binding, engines started one after the
-# other from one process did not compute at the same speed (the second twice as fast as the first on
-# the same prompt), which would credit or blame the connector for vLLM's thread placement.
 os.environ.update(
-    VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-    TOKENIZERS_PARALLELISM="false",
+    HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false",
 )
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -126,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build_tiny_llama(os.path.join(work, "model"), layers=8, hidden=512, heads=8, kv_heads=8, head_dim=64, intermediate=1024)
     R, SIZES = args.repeat, args.sizes
     res: dict[str, Any] = {"bench": "vllm_ttft", "model": f"llama 8x512, 8 heads of 64, {args.dtype}", "block_size": BLOCK, "repeat": R}
+    res["omp_bind"] = args.omp_bind + (f", {args.reserved_cpus} reserved" if args.omp_bind == "auto" else "")
     cases = (
         "ttft_recompute_ms", "ttft_local_hit_ms", "ttft_daemon_hit_ms", "ttft_cold_with_connector_ms", "ttft_example_connector_ms",
         "ttft_local_hit_with_connector_ms",
@@ -244,9 +242,24 @@ def main() -> None:
     # as long now and then), and a median of 5 such rounds still fell on either side of 0.95.
     ap.add_argument("--decode-repeat", type=int, default=9, help="measured decode rounds (a batch on each engine); default 9")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache; default float32")
+    ap.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for every engine: auto (vLLM's default, the default), nobind, or core lists")
+    ap.add_argument("--reserved-cpus", type=int, default=1, help="with --omp-bind auto: cores kept from every engine's OpenMP threads; default 1")
     ap.add_argument("--sizes", default="2000,3500", help="prompt sizes in tokens; default 2000,3500")
     args = ap.parse_args()
     args.sizes = tuple(int(x) for x in args.sizes.split(","))
+    # Every engine gets the CPUs vLLM's default gives an engine without a connector: its automatic
+    # OpenMP binding keeps one core from the worker's OpenMP threads for the EngineCore process, which
+    # polls its message queues in a busy loop while the worker computes (here the worker's thread on
+    # core 0, core 1 for the rest). With a kv_transfer_config vLLM wants a second core kept, for the
+    # connector; on two cores it cannot, gives up keeping any and runs OpenMP on both, beside that
+    # busy loop, the frontend and the daemon. One kept core for every engine compares like with
+    # like. "nobind" (OpenMP threads free on every core, every engine) is what the figures before
+    # 2026-12-05 used: a 3500-token recompute varied by up to 40% within a run and one decode
+    # round's ratio by 0.7 - 1.35x, against 4% and 0.95 - 1.02x with the default binding, which also
+    # decoded faster (395 - 428 tokens/s against 287 - 385): README, Performance.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    if args.omp_bind == "auto":
+        os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
     import logging
 
     logging.disable(logging.WARNING)
