@@ -255,7 +255,7 @@ def main() -> None:
     # busy loop, the frontend and the daemon. One kept core for every engine compares like with
     # like. "nobind" (OpenMP threads free on every core, every engine) is what the figures before
     # 2026-12-05 used: a 3500-token recompute varied by up to 40% within a run and one decode
-    # round's ratio by 0.7 - 1.35x, against 4% and 0.95 - 1.02x with the default binding, which also
+    # round's ratio by 0.7 - 1.35x, against 4 - 10% and 0.91 - 1.04x with the default binding, which also
     # decoded faster (395 - 428 tokens/s against 287 - 385): README, Performance.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     if args.omp_bind == "auto":
