@@ -39,11 +39,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvdepot.auth import metadata
+from kvdepot.lane import unix_path
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.errors import status_of
-from kvdepotd.lane import FRAME, error_frame, ok_frame, unix_path
+from kvdepotd.wire import FRAME, error_frame, ok_frame
 
 log = logging.getLogger("kvdepotd.handoff")
 MAX_FDS = 250  # the kernel passes at most 253 per message

@@ -31,21 +31,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-import struct
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import cast
 
 import grpc
 
 from kvdepot.auth import metadata
 from kvdepot.lane import unix_path
 from kvdepot.v1 import kvdepot_pb2 as pb
-from kvdepotd.service import safe_parser
+from kvdepotd.wire import FRAME, BadMessage, error_frame, ok_frame, safe_parser
 
 log = logging.getLogger("kvdepotd.lane")
-FRAME = struct.Struct("<I")
 
-Answer = Callable[[Any, "LaneContext", str], Awaitable[pb.SessionResponse]]  # DepotService.answer
+Answer = Callable[[pb.SessionRequest | BadMessage, "LaneContext", str], Awaitable[pb.SessionResponse]]  # DepotService.answer
 PARSE = safe_parser(pb.SessionRequest, "Session")  # bad bytes: a BadMessage, answered INVALID_ARGUMENT
 
 
@@ -68,15 +66,6 @@ class LaneContext:
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self.code, self.details = code, details
         raise grpc.aio.AbortError(details)
-
-
-def ok_frame(payload: bytes) -> bytes:
-    return FRAME.pack(len(payload) + 1) + b"\0" + payload
-
-
-def error_frame(code: grpc.StatusCode, details: str) -> bytes:
-    body = details.encode()
-    return FRAME.pack(len(body) + 1) + bytes([code.value[0]]) + body
 
 
 class LaneConnection(asyncio.Protocol):

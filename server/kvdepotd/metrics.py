@@ -26,56 +26,37 @@ class DepotCollector(Collector):
         self.recovery = recovery
 
     def collect(self) -> Iterator[Metric]:
-        d = self.depot
-        for name, value in sorted(d.all_counters().items()):
+        st = self.depot.stats()
+        for name, value in sorted(st.counters.items()):
             c = CounterMetricFamily(f"kvdepot_{name}", f"kvdepot core counter {name}")
             c.add_metric([], value)
             yield c
-        yield GaugeMetricFamily("kvdepot_engines", "registered engines", value=len(d.engines))
-        yield GaugeMetricFamily("kvdepot_slots", "request slots", value=sum(len(e.slots) for e in d.engines.values()))
-        yield GaugeMetricFamily("kvdepot_ops_in_flight", "load and store ops not yet ended", value=len(d.ops.ops))
-        engines = GaugeMetricFamily("kvdepot_namespace_engines", "registered engines per namespace (tenant)", labels=["namespace"])
-        slots = GaugeMetricFamily("kvdepot_namespace_slots", "request slots per namespace (tenant)", labels=["namespace"])
-        by_ns: dict[str, list[int]] = {}
-        for e in d.engines.values():
-            n = by_ns.setdefault(e.namespace, [0, 0])
-            n[0] += 1
-            n[1] += len(e.slots)
-        for ns, (n_engines, n_slots) in sorted(by_ns.items()):
-            engines.add_metric([ns], n_engines)
-            slots.add_metric([ns], n_slots)
-        yield engines
-        yield slots
-        held = GaugeMetricFamily("kvdepot_namespace_host_blocks", "host-tier blocks per namespace (tenant), all layout classes", labels=["namespace"])
-        owned: dict[str, int] = {}
-        for dom in d.domains.values():
-            for ns, count in dom.registry.owned.items():
-                owned[ns] = owned.get(ns, 0) + count
-        for ns, count in sorted(owned.items()):
-            held.add_metric([ns], count)
-        yield held
+        yield GaugeMetricFamily("kvdepot_engines", "registered engines", value=st.engines)
+        yield GaugeMetricFamily("kvdepot_slots", "request slots", value=st.slots)
+        yield GaugeMetricFamily("kvdepot_ops_in_flight", "load and store ops not yet ended", value=st.ops_in_flight)
+        for name, help_, values in (
+            ("kvdepot_namespace_engines", "registered engines per namespace (tenant)", st.namespace_engines),
+            ("kvdepot_namespace_slots", "request slots per namespace (tenant)", st.namespace_slots),
+            ("kvdepot_namespace_host_blocks", "host-tier blocks per namespace (tenant), all layout classes", st.namespace_host_blocks),
+        ):
+            g = GaugeMetricFamily(name, help_, labels=["namespace"])
+            for ns, n in sorted(values.items()):
+                g.add_metric([ns], n)
+            yield g
         labels = ["layout_class", "tier"]
         gauges = {
-            "capacity": GaugeMetricFamily("kvdepot_pool_capacity_blocks", "blocks the pool holds or can still claim", labels=labels),
-            "used": GaugeMetricFamily("kvdepot_pool_used_blocks", "blocks resident or being stored", labels=labels),
-            "pinned": GaugeMetricFamily("kvdepot_pool_pinned_blocks", "blocks pinned by lookups or loads", labels=labels),
-            "storing": GaugeMetricFamily("kvdepot_pool_in_flight_blocks", "blocks being stored", labels=labels),
+            "capacity_blocks": GaugeMetricFamily("kvdepot_pool_capacity_blocks", "blocks the pool holds or can still claim", labels=labels),
+            "used_blocks": GaugeMetricFamily("kvdepot_pool_used_blocks", "blocks resident or being stored", labels=labels),
+            "pinned_blocks": GaugeMetricFamily("kvdepot_pool_pinned_blocks", "blocks pinned by lookups or loads", labels=labels),
+            "in_flight_blocks": GaugeMetricFamily("kvdepot_pool_in_flight_blocks", "blocks being stored", labels=labels),
         }
-        for dom in d.domains.values():
-            for tier, reg in (("host", dom.registry), ("disk", dom.disk)):
-                if reg is None:
-                    continue
-                lv = [dom.layout_class, tier]
-                gauges["capacity"].add_metric(lv, reg.pool.capacity_blocks)
-                gauges["used"].add_metric(lv, reg.pool.num_used)
-                gauges["pinned"].add_metric(lv, reg.num_pinned)
-                gauges["storing"].add_metric(lv, reg.num_storing)
+        for p in st.pools:
+            for field, g in gauges.items():
+                g.add_metric([p.layout_class, p.tier], getattr(p, field))
         yield from gauges.values()
-        yield GaugeMetricFamily("kvdepot_host_tier_bytes", "configured host tier size", value=d.host_arena.total_bytes)
-        yield GaugeMetricFamily("kvdepot_disk_tier_bytes", "configured disk tier size (0: none)", value=d.disk_arena.total_bytes)
-        yield GaugeMetricFamily(
-            "kvdepot_disk_tier_used_bytes", "disk tier bytes claimed by slab files", value=d.disk_arena.used_bytes
-        )
+        yield GaugeMetricFamily("kvdepot_host_tier_bytes", "configured host tier size", value=st.host_bytes)
+        yield GaugeMetricFamily("kvdepot_disk_tier_bytes", "configured disk tier size (0: none)", value=st.disk_bytes)
+        yield GaugeMetricFamily("kvdepot_disk_tier_used_bytes", "disk tier bytes claimed by slab files", value=st.disk_used_bytes)
         rec = self.recovery()
         yield GaugeMetricFamily("kvdepot_disk_recovered_blocks", "blocks found valid in the disk tier at start-up", value=rec.blocks)
         yield GaugeMetricFamily(

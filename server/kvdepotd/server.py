@@ -36,11 +36,13 @@ from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
 from kvdepotd.handoff import Handoffs
 from kvdepotd.lane import Lanes, unix_path
 from kvdepotd.metrics import Metrics
-from kvdepotd.service import DepotService, safe_parser
+from kvdepotd.runtime import Runtime
+from kvdepotd.service import DepotService
 from kvdepotd.storage.disk import DiskError, DiskStore
 from kvdepotd.storage.host_arena import ArenaError, HostArena
-from kvdepotd.transfer import Faults, blockcopy
-from kvdepotd.transfer.disk import DiskCopyEngine
+from kvdepotd.transfer import blockcopy
+from kvdepotd.transfer.host import Faults
+from kvdepotd.wire import safe_parser
 
 log = logging.getLogger("kvdepotd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
@@ -177,11 +179,12 @@ class Daemon:
         # intra-op threads inside each copy would only contend with those (their OpenMP teams
         # wait on each other), a loss of about a fifth of the copy speed on two cores.
         torch.set_num_threads(1)
-        self.metrics = Metrics(self.depot, lambda: self.service.copy.mapped_bytes)
+        self.metrics = Metrics(self.depot, lambda: self.runtime.copy.mapped_bytes)
         faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads)
         if faults.load_delay_ms or faults.corrupt_loads:
             log.warning("fault injection on: loads wait %d ms; the next %d loaded blocks are corrupted", faults.load_delay_ms, faults.corrupt_loads)
-        self.service = DepotService(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, store_nice=cfg.store_nice, faults=faults)
+        self.runtime = Runtime(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, store_nice=cfg.store_nice, faults=faults)
+        self.service = DepotService(self.runtime)
         self.service.auth = tokens
         self.recovery = Recovery()
         if cfg.disk_dir:
@@ -191,7 +194,7 @@ class Daemon:
             except (DiskError, OSError) as e:
                 self.arena.close()
                 raise StartupError(f"disk tier: {e}") from None
-            self.service.disk = DiskCopyEngine(self.service.disk_done, self.arena, store, cfg.disk_threads, self.metrics.observe_disk)
+            self.runtime.attach_disk(store, cfg.disk_threads)
         self.metrics.recovery = self.recovery
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -260,7 +263,7 @@ class Daemon:
             for addr in self.addresses + self.lanes.addresses + self.handoffs.addresses:
                 if addr.startswith("unix:"):
                     os.chmod(unix_path(addr), int(self.cfg.socket_mode, 8))
-        self.service.start()
+        self.runtime.start()
         gc.collect()
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)

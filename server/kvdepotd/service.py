@@ -1,9 +1,6 @@
-"""The gRPC edge: translates protobuf to Depot calls and back, routes worker events, runs the
-copy engine's results back into the core. No slot logic lives here.
-
-Everything runs on one event loop, so the Depot needs no locks. After every call that can create
-work, `_pump()` hands ready op parts to the copy engine and routes the core's events to the
-workers' streams (or a bounded backlog while a rank is not attached).
+"""The gRPC edge: checks who calls, translates protobuf to runtime and core calls and back, and
+plumbs the streams (Session, WorkerStream). No slot logic and no execution lives here: the runtime
+(kvdepotd.runtime) runs what the core decides.
 """
 
 from __future__ import annotations
@@ -13,12 +10,10 @@ import functools
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -26,44 +21,18 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
 from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens, Unauthenticated
-from kvdepotd.core.depot import Depot, Engine, LoadCopied, OpCompleted
+from kvdepotd.core.depot import Engine
 from kvdepotd.core.errors import DepotError, InvalidRequest
-from kvdepotd.core.ops import EngineId, OpId, RequestId
+from kvdepotd.core.ops import EngineId, RequestId
 from kvdepotd.errors import status_of
-from kvdepotd.metrics import Metrics
-from kvdepotd.storage.host_arena import HostArena
-from kvdepotd.transfer import Faults, HostCopyEngine, PartDone
-from kvdepotd.transfer.disk import DiskCopyEngine
-from kvdepotd.transfer.mapping import RankMapping, map_rank, populate
-
-if TYPE_CHECKING:
-    from kvdepotd.handoff import Handoffs
+from kvdepotd.handoff import Handoffs, doorbell
+from kvdepotd.runtime import Runtime, WorkerChannel
+from kvdepotd.transfer.mapping import map_rank
+from kvdepotd.wire import BadMessage
 
 log = logging.getLogger("kvdepotd")
 T = TypeVar("T")
-BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
-TICK_S = 0.05
 AUDIT_S = 10.0  # a refused token is logged at most this often per method and kind of refusal
-
-
-class BadMessage:
-    """A request whose bytes are not a valid message of its type (see safe_parser)."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def WhichOneof(self, _: str) -> None:  # so a worker stream's first-message check rejects it
-        return None
-
-
-def safe_parser(cls: Any, method: str) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return cls.FromString(data)
-        except Exception as e:  # DecodeError and friends: the bytes are not this message
-            return BadMessage(f"{method}: the request is not a valid {cls.DESCRIPTOR.full_name} ({e})")
-
-    return parse
 
 
 def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -97,35 +66,11 @@ def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     return wrapper
 
 
-class WorkerChannel:
-    """One attached worker stream: a queue the service fills and the stream drains."""
-
-    def __init__(self, metadata: Any = ()) -> None:
-        self.queue: asyncio.Queue[pb.WorkerEvent | None] = asyncio.Queue()
-        self.closed: tuple[grpc.StatusCode, str] | None = None  # None: ended by the worker
-        self.metadata = tuple(metadata or ())  # the stream's, to check its token again when tokens change
-
-    def invocation_metadata(self) -> tuple[Any, ...]:  # as a call context answers it (DepotService.caller)
-        return self.metadata
-
-    def close(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.NOT_FOUND) -> None:
-        self.closed = (code, reason)
-        self.queue.put_nowait(None)
-
-
 class DepotService(pb_grpc.BlockManagerServicer):
-    def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None, store_nice: int = 10) -> None:
-        self.depot = depot
-        self.metrics = metrics
-        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice)
-        self._pumping = False
-        self.channels: dict[tuple[EngineId, int], WorkerChannel] = {}
-        self.backlog: dict[tuple[EngineId, int], deque[pb.WorkerEvent]] = {}
-        self.started = time.time()
-        self._ticker: asyncio.Task[None] | None = None
-        self.disk: DiskCopyEngine | None = None
-        self._flush = False
-        self._populating: set[asyncio.Task[None]] = set()
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.depot = runtime.depot  # read-only here: inspection answers
+        self.metrics = runtime.metrics
         # Open Session streams, ended at shutdown: task -> whether it waits for its next request.
         self._sessions: dict[asyncio.Task[Any], bool] = {}
         self._closing = False
@@ -134,148 +79,25 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self.handoffs: Handoffs | None = None  # descriptors handed over beside unix addresses (kvdepotd.handoff)
         self.shm_paths = True  # False: cpu_shm memory only as handed-over descriptors, never by path
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # (method, error) -> (last logged, since)
-        self._stop_populating = threading.Event()
-
-    @staticmethod
-    def now_ms() -> int:
-        return int(time.time() * 1000)
-
-    # -- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
     async def close(self, grace_s: float = 10.0) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-        if self.disk is not None:
-            await self._flush_disk(grace_s)
-        self._stop_populating.set()  # a thread still faulting a mapping in stops at its next 2 MiB
+        await self.runtime.close(grace_s)
         self._closing = True
         await self._end_sessions(grace_s)
-        await self.copy.close()
-        if self.disk is not None:
-            await self.disk.close()
-        for ch in list(self.channels.values()):
-            ch.close("daemon shutting down", grpc.StatusCode.UNAVAILABLE)
+        await self.runtime.stop_engines()
 
     async def _end_sessions(self, grace_s: float) -> None:
         """Ends idle Session streams, which would hold the drain for the whole grace. Each is
         cancelled while it waits for its next request, in its own frame, which answers the cancel
-        with UNAVAILABLE. One that is elsewhere (grpc still completing the send of its last answer,
-        seen on a loaded machine) is left to get there: a cancel landing in grpc's frame ends the
-        task but leaves the call open until the grace is over."""
+        with UNAVAILABLE. One that is elsewhere (grpc still completing the send of its last answer)
+        is left to get there: a cancel landing in grpc's frame ends the task but leaves the call
+        open until the grace is over."""
         end = time.monotonic() + grace_s
         while self._sessions and time.monotonic() < end:
             for task, waiting in list(self._sessions.items()):
                 if waiting:
                     task.cancel()
             await asyncio.sleep(0.005)
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            try:
-                before = set(self.depot.engines)
-                self.depot.expire(self.now_ms())
-                for gone in before - set(self.depot.engines):
-                    log.warning("engine %s lease expired: its slots, pins and ops were released", gone)
-                    self._close_engine(gone, "engine lease expired")
-                self.depot.reclaim()
-                self._pump()
-            except Exception:  # the ticker must not die: a bug here is logged, the daemon serves on
-                log.exception("expiry tick failed")
-
-    async def _flush_disk(self, grace_s: float) -> None:
-        """A clean shutdown writes admitted host blocks to disk (write-back holds them back) and
-        waits for disk jobs, within the grace."""
-        self._flush = True
-        self._pump()
-        end = time.monotonic() + grace_s
-        while self.depot.disk_jobs and time.monotonic() < end:
-            await asyncio.sleep(0.01)
-            self._pump()
-        if self.depot.disk_jobs:
-            log.warning("shutdown: %d disk jobs still running after the grace", len(self.depot.disk_jobs))
-
-    # -- the pump ---------------------------------------------------------------------------------
-    def _pump(self) -> None:
-        if self._pumping:  # a copy engine that ends parts at once calls back into us
-            return
-        self._pumping = True
-        try:
-            parts = self.depot.take_ready()
-            while parts:
-                self.copy.submit(parts)
-                parts = self.depot.take_ready()
-            if self.disk is not None:
-                self.disk.forget(self.depot.take_disk_drops())  # delete last: before any slot is rewritten
-                self.disk.submit(self.depot.take_disk_jobs(self.now_ms(), self._flush))
-        finally:
-            self._pumping = False
-        events = self.depot.take_events()
-        if not events:
-            return
-        batches: dict[EngineId, pb.WorkerEvent] = {}
-        now_ms = self.now_ms()
-        for ev in events:
-            msg = batches.get(ev.engine_id)
-            if msg is None:
-                msg = batches[ev.engine_id] = pb.WorkerEvent()
-            if isinstance(ev, OpCompleted):
-                msg.completed.append(convert.op_completed_pb(ev.op))
-                self.metrics.observe_op(ev.op.kind.value.lower(), ev.op.success, now_ms - ev.op.planned_ms)
-            elif isinstance(ev, LoadCopied):
-                msg.copied.append(ev.op_id)
-            else:
-                msg.released.append(ev.request_id)
-        for engine_id, msg in batches.items():
-            self._route(engine_id, msg)
-
-    def _route(self, engine_id: EngineId, msg: pb.WorkerEvent) -> None:
-        """Every rank of the engine gets the batch (each must know of every op's end)."""
-        eng = self.depot.engines.get(engine_id)
-        if eng is None:
-            return
-        for rank in range(eng.layout.world_size):
-            key = (engine_id, rank)
-            ch = self.channels.get(key)
-            if ch is not None:
-                ch.queue.put_nowait(msg)
-            else:
-                self.backlog.setdefault(key, deque(maxlen=BACKLOG)).append(msg)
-
-    def _part_copied(self, op_id: int, rank: int) -> None:
-        self.depot.part_copied(OpId(op_id), rank)
-        self._pump()
-
-    def _parts_done(self, done: list[PartDone]) -> None:
-        for d in done:
-            self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message, d.corrupt)
-            if d.copied is not None:
-                self.metrics.observe_copy(d.copied)
-            if d.corrupt:
-                log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
-        self.depot.reclaim()  # while the engine runs its forward, not in its next Step
-        self._pump()
-
-    def disk_done(self, job_id: int, failed: set[int], corrupt: set[int], message: str) -> None:
-        self.depot.disk_job_done(job_id, failed, corrupt, message)  # type: ignore[arg-type]
-        if corrupt:
-            log.warning("disk job %d: %d blocks failed their checksum and were dropped", job_id, len(corrupt))
-        self._pump()
-
-    def _close_engine(self, engine_id: EngineId, reason: str) -> None:
-        self.copy.forget_engine(engine_id)
-        for key in [k for k in self.channels if k[0] == engine_id]:
-            self.channels.pop(key).close(reason)
-        for key in [k for k in self.backlog if k[0] == engine_id]:
-            del self.backlog[key]
-
-    def _touch_lease(self, engine_id: EngineId) -> None:
-        """Any call from an engine proves it alive; heartbeats only matter when it is idle."""
-        eng = self.depot.engines.get(engine_id)
-        if eng is not None:
-            eng.lease_expires_ms = self.now_ms() + eng.lease_ms
 
     # -- who calls ---------------------------------------------------------------------------------
     def caller(self, context: Any) -> Caller:
@@ -309,7 +131,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
     def tokens_changed(self) -> None:
         """Ends the worker streams whose token no longer drives their engine (their forward-done
         reports would keep its lease alive while its scheduler's calls are refused)."""
-        for (engine_id, rank), ch in list(self.channels.items()):
+        for (engine_id, rank), ch in list(self.runtime.channels.items()):
             eng = self.depot.engines.get(engine_id)
             try:
                 if eng is not None and not self.caller(ch).may_use(eng.namespace):
@@ -332,7 +154,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         namespace = request.namespace if caller.admin else caller.namespace
         if request.namespace and request.namespace != namespace:  # empty: the token's namespace
             raise PermissionDenied(f"namespace {request.namespace!r} is not the namespace of the call's token ({caller.describe()})")
-        eng, joined = self.depot.register_engine(
+        eng, joined = self.runtime.register_engine(
             EngineId(f"eng-{uuid.uuid4().hex[:12]}"),
             name=request.engine_name,
             model=request.model,
@@ -340,7 +162,6 @@ class DepotService(pb_grpc.BlockManagerServicer):
             namespace=namespace,
             style=convert.style_from_pb(request.update_style),
             lease_ms=request.lease_ms,
-            now_ms=self.now_ms(),
             key=request.engine_key,
             late_load_checks=request.late_load_checks,
         )
@@ -348,7 +169,6 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if joined:
             log.info("engine %s joined by another process (name=%r key=%r)", engine_id, request.engine_name, request.engine_key)
         else:
-            self.copy.add_engine(engine_id, eng.layout)
             log.info(
                 "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s late_load_checks=%s",
                 engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value, eng.late_load_checks,
@@ -365,14 +185,12 @@ class DepotService(pb_grpc.BlockManagerServicer):
     @rpc
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
         engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
-        return pb.HeartbeatResponse(lease_expires_unix_ms=self.depot.heartbeat(engine_id, self.now_ms()))
+        return pb.HeartbeatResponse(lease_expires_unix_ms=self.runtime.renew_lease(engine_id))
 
     @rpc
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
         engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
-        released = self.depot.unregister_engine(engine_id)
-        self._close_engine(engine_id, "engine unregistered")
-        self._pump()
+        released = self.runtime.unregister_engine(engine_id)
         log.info("engine %s unregistered (%d slots released)", engine_id, released)
         return pb.UnregisterEngineResponse(released_slots=released)
 
@@ -395,18 +213,12 @@ class DepotService(pb_grpc.BlockManagerServicer):
             raise
         mapping.doorbell = bell
         self.depot.engine_rank(engine_id, request.rank)  # still registered after the wait
-        self.copy.add_mapping(mapping)
-        self._touch_lease(engine_id)
+        self.runtime.add_mapping(mapping)
         log.info(
             "engine %s rank %d mapped %d tensors (%d blocks, %.1f MiB) on %s%s",
             engine_id, request.rank, len(request.tensors), mapping.num_blocks, mapping.mapped_bytes / 2**20, mapping.device,
             " (memory handed over)" if fds else "",
         )
-        # Its pages are faulted in meanwhile, so the first copies run at full speed (not awaited: the
-        # engine goes on starting; a copy that comes first faults its own pages in as before).
-        task = asyncio.get_running_loop().create_task(self._populate(mapping))
-        self._populating.add(task)
-        task.add_done_callback(self._populating.discard)
         return pb.RegisterKvCachesResponse(mapped_bytes=mapping.mapped_bytes)
 
     def _claim(self, request: pb.RegisterKvCachesRequest, namespace: str) -> dict[str, int]:
@@ -433,8 +245,6 @@ class DepotService(pb_grpc.BlockManagerServicer):
             return None
         if self.handoffs is None:
             raise InvalidRequest("this daemon has no handoff socket (it listens on no unix: address): leave doorbell_handoff_id empty")
-        from kvdepotd.handoff import doorbell
-
         fd = self.handoffs.claim(request.doorbell_handoff_id, namespace)
         if not doorbell(fd):
             os.close(fd)
@@ -443,21 +253,13 @@ class DepotService(pb_grpc.BlockManagerServicer):
         sock.setblocking(False)
         return sock
 
-    async def _populate(self, mapping: RankMapping) -> None:
-        t0 = time.monotonic()
-        if await asyncio.to_thread(populate, mapping, self._stop_populating):
-            log.info(
-                "engine %s rank %d: %.1f MiB of KV memory faulted in (%.0f ms)",
-                mapping.engine_id, mapping.rank, mapping.mapped_bytes / 2**20, (time.monotonic() - t0) * 1000,
-            )
-
     # -- the engine path ------------------------------------------------------------------------
     @rpc
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         engine_id = EngineId(request.engine_id)
         if self.auth is not None:
             self.own_engine(context, engine_id)
-        res = self.depot.lookup(
+        res = self.runtime.lookup(
             engine_id,
             RequestId(request.request_id),
             convert.lookup_tokens(request),
@@ -465,9 +267,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             lora_name=request.lora_name,
             device_matched_tokens=request.device_matched_tokens,
             pin_ms=request.pin_ms,
-            now_ms=self.now_ms(),
         )
-        self._touch_lease(engine_id)
         by_tier = [pb.TierTokens(tier=t, tokens=n) for t, n in ((pb.TIER_HOST, res.host_tokens), (pb.TIER_DISK, res.disk_tokens)) if n]
         return pb.LookupResponse(
             matched_tokens=res.matched_tokens,
@@ -481,16 +281,13 @@ class DepotService(pb_grpc.BlockManagerServicer):
         engine_id = EngineId(request.engine_id)
         if self.auth is not None:
             self.own_engine(context, engine_id)
-        plan = self.depot.step(
+        plan = self.runtime.step(
             engine_id,
             request.step,
             convert.step_columns(request),
             [RequestId(r) for r in request.finished],
             [RequestId(r) for r in request.preempted],
-            self.now_ms(),
         )
-        self._touch_lease(engine_id)
-        self._pump()
         return convert.plan_to_pb(plan)
 
     async def Session(
@@ -551,12 +348,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             await context.abort(*err)
             return
         ch = WorkerChannel(context.invocation_metadata())
-        old = self.channels.get(key)
-        if old is not None:
-            old.close(f"rank {key[1]} attached again on another stream", grpc.StatusCode.CANCELLED)
-        self.channels[key] = ch
-        for queued in self.backlog.pop(key, ()):
-            ch.queue.put_nowait(queued)
+        self.runtime.attach(key, ch)
         log.info("engine %s rank %d attached", *key)
         reader = asyncio.get_running_loop().create_task(self._read_worker(it, key, ch))
         try:
@@ -568,8 +360,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 yield event
         finally:
             reader.cancel()
-            if self.channels.get(key) is ch:
-                del self.channels[key]
+            if self.runtime.detach(key, ch):
                 log.info("engine %s rank %d detached", *key)
         if ch.closed is not None:
             await context.abort(*ch.closed)
@@ -597,11 +388,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
                     return
                 which = msg.WhichOneof("msg")
                 if which == "forward_done":
-                    if msg.forward_done.cuda_event:
-                        self.copy.note_forward_event(engine_id, rank, msg.forward_done.step, msg.forward_done.cuda_event)
-                    self.depot.forward_done(engine_id, rank, msg.forward_done.step)
-                    self._touch_lease(engine_id)
-                    self._pump()
+                    self.runtime.forward_done(engine_id, rank, msg.forward_done.step, msg.forward_done.cuda_event)
                 else:
                     ch.close(f"unexpected {which or 'empty'} message after attach", grpc.StatusCode.INVALID_ARGUMENT)
                     return
@@ -615,36 +402,33 @@ class DepotService(pb_grpc.BlockManagerServicer):
     @rpc
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         self.caller(context)  # any known token: the figures name no engine or request
-        d = self.depot
-        pools = []
-        for dom in d.domains.values():
-            for tier, reg in ((pb.TIER_HOST, dom.registry), (pb.TIER_DISK, dom.disk)):
-                if reg is None:
-                    continue
-                pools.append(
-                    pb.PoolStats(
-                        layout_class=dom.layout_class,
-                        tier=tier,
-                        block_bytes=dom.block_bytes,
-                        capacity_blocks=reg.pool.capacity_blocks,
-                        used_blocks=reg.pool.num_used,
-                        pinned_blocks=reg.num_pinned,
-                        in_flight_blocks=reg.num_storing,
-                    )
-                )
+        st = self.depot.stats()
+        tiers = {"host": pb.TIER_HOST, "disk": pb.TIER_DISK}
+        pools = [
+            pb.PoolStats(
+                layout_class=p.layout_class,
+                tier=tiers[p.tier],
+                block_bytes=p.block_bytes,
+                capacity_blocks=p.capacity_blocks,
+                used_blocks=p.used_blocks,
+                pinned_blocks=p.pinned_blocks,
+                in_flight_blocks=p.in_flight_blocks,
+            )
+            for p in st.pools
+        ]
         rec = self.metrics.recovery
         return pb.GetStatsResponse(
-            engines=len(d.engines),
-            slots=sum(len(e.slots) for e in d.engines.values()),
-            ops_in_flight=len(d.ops.ops),
+            engines=st.engines,
+            slots=st.slots,
+            ops_in_flight=st.ops_in_flight,
             pools=pools,
-            counters=d.all_counters(),
-            host_bytes=d.host_arena.total_bytes,
-            uptime_s=time.time() - self.started,
-            mapped_engine_bytes=self.copy.mapped_bytes,
-            mapped_ranks=len(self.copy.mappings),
-            disk_bytes=d.disk_arena.total_bytes,
-            disk_dir=self.disk.store.root if self.disk is not None else "",
+            counters=st.counters,
+            host_bytes=st.host_bytes,
+            disk_bytes=st.disk_bytes,
+            uptime_s=time.time() - self.runtime.started,
+            mapped_engine_bytes=self.runtime.copy.mapped_bytes,
+            mapped_ranks=len(self.runtime.copy.mappings),
+            disk_dir=self.runtime.disk.store.root if self.runtime.disk is not None else "",
             disk_recovered_blocks=rec.blocks,
             disk_recovery_dropped_blocks=rec.dropped,
             disk_recovery_s=rec.seconds,
@@ -655,7 +439,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         caller = self.caller(context)
         return pb.ListEnginesResponse(
             engines=[
-                convert.engine_info(e, sorted(r for (eid, r) in self.channels if eid == e.engine_id))
+                convert.engine_info(e, self.runtime.attached_ranks(e.engine_id))
                 for e in self.depot.engines.values()
                 if caller.may_use(e.namespace)
             ]
@@ -697,7 +481,6 @@ class DepotService(pb_grpc.BlockManagerServicer):
         tier = request.tier
         if tier not in (pb.TIER_UNSPECIFIED, pb.TIER_HOST, pb.TIER_DISK):
             raise InvalidRequest(f"tier {tier} is not a tier")
-        dropped, kept = self.depot.clear(host=tier != pb.TIER_DISK, disk=tier != pb.TIER_HOST)
-        self._pump()
+        dropped, kept = self.runtime.clear(host=tier != pb.TIER_DISK, disk=tier != pb.TIER_HOST)
         log.info("clear (%s): dropped %d blocks, kept %d pinned or in flight", pb.Tier.Name(tier), dropped, kept)
         return pb.ClearResponse(dropped_blocks=dropped, kept_blocks=kept)

@@ -204,7 +204,7 @@ class DepotMachine(RuleBasedStateMachine):
     @rule(ms=st.integers(0, 40_000))
     def time_passes(self, ms: int) -> None:
         self.sim.now += ms
-        self.sim.depot.heartbeat(self.sim.engine, self.sim.now)
+        self.sim.depot.renew_lease(self.sim.engine, self.sim.now)
         self.sim.depot.expire(self.sim.now)
         self.sim.run_copies()
 

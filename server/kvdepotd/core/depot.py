@@ -184,6 +184,34 @@ class LoadCopied:
 Event = OpCompleted | RequestReleased | LoadCopied
 
 
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    layout_class: str
+    tier: str  # "host" or "disk"
+    block_bytes: int  # of the layout class (a disk record adds its header and padding)
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+    in_flight_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class DepotStats:
+    """What GetStats and the metrics export, read in one walk (Depot.stats)."""
+
+    engines: int
+    slots: int
+    ops_in_flight: int
+    pools: list[PoolStats]
+    counters: dict[str, int]
+    namespace_engines: dict[str, int]
+    namespace_slots: dict[str, int]
+    namespace_host_blocks: dict[str, int]  # host-tier blocks each namespace holds, all layout classes
+    host_bytes: int
+    disk_bytes: int
+    disk_used_bytes: int
+
+
 @dataclass(slots=True)
 class Engine:
     engine_id: EngineId
@@ -275,7 +303,9 @@ class Depot:
         self.counters["engines_registered"] += 1
         return eng, False
 
-    def heartbeat(self, engine_id: EngineId, now_ms: int) -> int:
+    def renew_lease(self, engine_id: EngineId, now_ms: int) -> int:
+        """Any call from an engine proves it alive (heartbeats matter only while it is idle); returns
+        the new expiry."""
         eng = self.engine(engine_id)
         eng.lease_expires_ms = now_ms + eng.lease_ms
         return eng.lease_expires_ms
@@ -765,8 +795,11 @@ class Depot:
         return events
 
     # -- time ------------------------------------------------------------------------------------
-    def expire(self, now_ms: int) -> None:
+    def expire(self, now_ms: int) -> list[EngineId]:
+        """Ends ops, pins and leases past their deadlines; returns the engines whose lease expired
+        (unregistered here: the runtime closes their channels and mappings)."""
         self._now_ms = now_ms
+        expired: list[EngineId] = []
         for op in self.ops.expired(now_ms):
             ended = self.ops.end(op, "deadline exceeded")
             if ended is not None:
@@ -778,6 +811,8 @@ class Depot:
             if eng.lease_expires_ms <= now_ms:
                 self.counters["leases_expired"] += 1
                 self.unregister_engine(eng.engine_id, "engine lease expired")
+                expired.append(eng.engine_id)
+        return expired
 
     # -- admin and inspection --------------------------------------------------------------------
     def clear(self, host: bool = True, disk: bool = True) -> tuple[int, int]:
@@ -800,6 +835,34 @@ class Depot:
         """The block's host entry and disk entry."""
         dom = self.engine(engine_id).domain
         return dom.registry.state_of(h), dom.disk.state_of(h) if dom.disk is not None else None
+
+    def stats(self) -> DepotStats:
+        pools: list[PoolStats] = []
+        ns_engines: Counter[str] = Counter()
+        ns_slots: Counter[str] = Counter()
+        ns_blocks: Counter[str] = Counter()
+        for e in self.engines.values():
+            ns_engines[e.namespace] += 1
+            ns_slots[e.namespace] += len(e.slots)
+        for dom in self.domains.values():
+            ns_blocks.update(dom.registry.owned)
+            for tier, reg in (("host", dom.registry), ("disk", dom.disk)):
+                if reg is not None:
+                    pool = reg.pool
+                    pools.append(PoolStats(dom.layout_class, tier, dom.block_bytes, pool.capacity_blocks, pool.num_used, reg.num_pinned, reg.num_storing))
+        return DepotStats(
+            engines=len(self.engines),
+            slots=sum(ns_slots.values()),
+            ops_in_flight=len(self.ops.ops),
+            pools=pools,
+            counters=self.all_counters(),
+            namespace_engines=dict(ns_engines),
+            namespace_slots=dict(ns_slots),
+            namespace_host_blocks=dict(ns_blocks),
+            host_bytes=self.host_arena.total_bytes,
+            disk_bytes=self.disk_arena.total_bytes,
+            disk_used_bytes=self.disk_arena.used_bytes,
+        )
 
     def all_counters(self) -> dict[str, int]:
         out = {name: self.counters.get(name, 0) for name in COUNTERS}

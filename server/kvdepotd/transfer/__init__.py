@@ -1,6 +1,4 @@
-"""Copy engines: run op parts (one op on one rank) and report each part's result."""
-
-from kvdepotd.transfer.base import CopyEngine, PartDone
-from kvdepotd.transfer.host import Faults, HostCopyEngine
-
-__all__ = ["CopyEngine", "Faults", "HostCopyEngine", "PartDone"]
+"""Copy engines: run the plans the core hands out (op parts, disk jobs) on their own threads and
+report each result on the event loop. base: the contract; host: engine memory <-> the host tier;
+disk: the host tier <-> disk files; mapping: engine KV memory as the daemon maps it; blockcopy: the
+native copy."""

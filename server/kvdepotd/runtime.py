@@ -1,0 +1,281 @@
+"""The runtime room: executes what the core decides, and reports back. It owns the Depot, the copy
+engines (host, and disk when configured), the worker channels with their backlog, the ticker and
+the disk flush at shutdown.
+
+The loop, run after every call that can create work (`pump`): the core's ready op parts go to the
+host copy engine and its disk jobs to the disk engine; their results come back on the event loop
+(`_parts_done`, `_disk_done`) into the core; the core's events go to the workers' channels, or to
+a bounded backlog while a rank has no stream attached. Everything runs on one event loop, so the
+Depot needs no locks; copy and disk threads see only the plain plans the core hands out.
+
+The gRPC service (kvdepotd.service) translates requests into these calls; nothing here knows
+protobuf except the worker events it queues, which are the channels' wire format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import grpc
+
+from kvdepot.layout import KvLayout
+from kvdepot.v1 import kvdepot_pb2 as pb
+from kvdepotd import convert
+from kvdepotd.core.depot import Depot, Engine, LoadCopied, LookupResult, OpCompleted, StepPlan
+from kvdepotd.core.ops import EngineId, OpId, RequestId
+from kvdepotd.core.slots import StepColumns
+from kvdepotd.metrics import Metrics
+from kvdepotd.storage.disk import DiskStore
+from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.transfer.base import PartDone
+from kvdepotd.transfer.host import Faults, HostCopyEngine
+from kvdepotd.transfer.disk import DiskCopyEngine
+from kvdepotd.transfer.mapping import RankMapping, populate
+
+log = logging.getLogger("kvdepotd")
+BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
+TICK_S = 0.05
+Rank = tuple[EngineId, int]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class WorkerChannel:
+    """One attached worker stream: a queue the runtime fills and the stream drains."""
+
+    def __init__(self, metadata: Any = ()) -> None:
+        self.queue: asyncio.Queue[pb.WorkerEvent | None] = asyncio.Queue()
+        self.closed: tuple[grpc.StatusCode, str] | None = None  # None: ended by the worker
+        self.metadata = tuple(metadata or ())  # the stream's, to check its token again when tokens change
+
+    def invocation_metadata(self) -> tuple[Any, ...]:  # as a call context answers it (DepotService.caller)
+        return self.metadata
+
+    def close(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.NOT_FOUND) -> None:
+        self.closed = (code, reason)
+        self.queue.put_nowait(None)
+
+
+class Runtime:
+    def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None, store_nice: int = 10) -> None:
+        self.depot = depot
+        self.metrics = metrics
+        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice)
+        self.disk: DiskCopyEngine | None = None
+        self.channels: dict[Rank, WorkerChannel] = {}
+        self.backlog: dict[Rank, deque[pb.WorkerEvent]] = {}
+        self.started = time.time()
+        self._arena = arena
+        self._pumping = False
+        self._flush = False
+        self._ticker: asyncio.Task[None] | None = None
+        self._populating: set[asyncio.Task[None]] = set()
+        self._stop_populating = threading.Event()
+
+    def attach_disk(self, store: DiskStore, threads: int) -> None:
+        self.disk = DiskCopyEngine(self._disk_done, self._arena, store, threads, self.metrics.observe_disk)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def close(self, grace_s: float) -> None:
+        """Stops the ticker, flushes the disk tier (within the grace), lets the copy threads finish
+        what is queued, and ends every worker stream."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self.disk is not None:
+            await self._flush_disk(grace_s)
+        self._stop_populating.set()  # a thread still faulting a mapping in stops at its next 2 MiB
+
+    async def stop_engines(self) -> None:
+        """After the service's streams ended: the copy engines stop, the worker streams close."""
+        await self.copy.close()
+        if self.disk is not None:
+            await self.disk.close()
+        for ch in list(self.channels.values()):
+            ch.close("daemon shutting down", grpc.StatusCode.UNAVAILABLE)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                for gone in self.depot.expire(now_ms()):
+                    log.warning("engine %s lease expired: its slots, pins and ops were released", gone)
+                    self._close_engine(gone, "engine lease expired")
+                self.depot.reclaim()
+                self.pump()
+            except Exception:  # the ticker must not die: a bug here is logged, the daemon serves on
+                log.exception("expiry tick failed")
+
+    async def _flush_disk(self, grace_s: float) -> None:
+        """A clean shutdown writes admitted host blocks to disk (write-back holds them back) and
+        waits for disk jobs, within the grace."""
+        self._flush = True
+        self.pump()
+        end = time.monotonic() + grace_s
+        while self.depot.disk_jobs and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+            self.pump()
+        if self.depot.disk_jobs:
+            log.warning("shutdown: %d disk jobs still running after the grace", len(self.depot.disk_jobs))
+
+    # -- what the service asks for ----------------------------------------------------------------
+    def register_engine(self, engine_id: EngineId, **kw: Any) -> tuple[Engine, bool]:
+        """Depot.register_engine (same keywords, less the clock); a new engine's layout goes to the copy engine."""
+        eng, joined = self.depot.register_engine(engine_id, now_ms=now_ms(), **kw)
+        if not joined:
+            self.copy.add_engine(eng.engine_id, eng.layout)
+        return eng, joined
+
+    def renew_lease(self, engine_id: EngineId) -> int:
+        return self.depot.renew_lease(engine_id, now_ms())
+
+    def unregister_engine(self, engine_id: EngineId) -> int:
+        released = self.depot.unregister_engine(engine_id)
+        self._close_engine(engine_id, "engine unregistered")
+        self.pump()
+        return released
+
+    def lookup(self, engine_id: EngineId, request_id: RequestId, tokens: bytes, **kw: Any) -> LookupResult:
+        """Depot.lookup (same keywords, less the clock); the call renews the engine's lease."""
+        res = self.depot.lookup(engine_id, request_id, tokens, now_ms=now_ms(), **kw)
+        self.depot.renew_lease(engine_id, now_ms())
+        return res
+
+    def step(self, engine_id: EngineId, step: int, columns: StepColumns, finished: list[RequestId], preempted: list[RequestId]) -> StepPlan:
+        plan = self.depot.step(engine_id, step, columns, finished, preempted, now_ms())
+        self.depot.renew_lease(engine_id, now_ms())
+        self.pump()
+        return plan
+
+    def forward_done(self, engine_id: EngineId, rank: int, step: int, cuda_event: bytes = b"") -> None:
+        if cuda_event:
+            self.copy.note_forward_event(engine_id, rank, step, cuda_event)
+        self.depot.forward_done(engine_id, rank, step)
+        self.depot.renew_lease(engine_id, now_ms())
+        self.pump()
+
+    def add_mapping(self, mapping: RankMapping) -> None:
+        """A rank's mapped KV memory: copies may use it now; its pages are faulted in meanwhile
+        (not awaited: a copy that comes first faults its own pages in)."""
+        self.copy.add_mapping(mapping)
+        self.depot.renew_lease(mapping.engine_id, now_ms())  # type: ignore[arg-type]
+        task = asyncio.get_running_loop().create_task(self._populate(mapping))
+        self._populating.add(task)
+        task.add_done_callback(self._populating.discard)
+
+    def clear(self, host: bool, disk: bool) -> tuple[int, int]:
+        out = self.depot.clear(host=host, disk=disk)
+        self.pump()
+        return out
+
+    def attach(self, key: Rank, ch: WorkerChannel) -> None:
+        """A worker stream for `key`: it replaces an older one and gets what the backlog kept."""
+        old = self.channels.get(key)
+        if old is not None:
+            old.close(f"rank {key[1]} attached again on another stream", grpc.StatusCode.CANCELLED)
+        self.channels[key] = ch
+        for queued in self.backlog.pop(key, ()):
+            ch.queue.put_nowait(queued)
+
+    def detach(self, key: Rank, ch: WorkerChannel) -> bool:
+        if self.channels.get(key) is ch:
+            del self.channels[key]
+            return True
+        return False
+
+    def attached_ranks(self, engine_id: EngineId) -> list[int]:
+        return sorted(r for (eid, r) in self.channels if eid == engine_id)
+
+    def layout(self, engine_id: EngineId) -> KvLayout:
+        return self.depot.engine(engine_id).layout
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def pump(self) -> None:
+        if self._pumping:  # a copy engine that ends parts at once calls back into us
+            return
+        self._pumping = True
+        try:
+            parts = self.depot.take_ready()
+            while parts:
+                self.copy.submit(parts)
+                parts = self.depot.take_ready()
+            if self.disk is not None:
+                self.disk.forget(self.depot.take_disk_drops())  # delete last: before any slot is rewritten
+                self.disk.submit(self.depot.take_disk_jobs(now_ms(), self._flush))
+        finally:
+            self._pumping = False
+        events = self.depot.take_events()
+        if not events:
+            return
+        batches: dict[EngineId, pb.WorkerEvent] = {}
+        t = now_ms()
+        for ev in events:
+            msg = batches.get(ev.engine_id)
+            if msg is None:
+                msg = batches[ev.engine_id] = pb.WorkerEvent()
+            if isinstance(ev, OpCompleted):
+                msg.completed.append(convert.op_completed_pb(ev.op))
+                self.metrics.observe_op(ev.op.kind.value.lower(), ev.op.success, t - ev.op.planned_ms)
+            elif isinstance(ev, LoadCopied):
+                msg.copied.append(ev.op_id)
+            else:
+                msg.released.append(ev.request_id)
+        for engine_id, msg in batches.items():
+            self._route(engine_id, msg)
+
+    def _route(self, engine_id: EngineId, msg: pb.WorkerEvent) -> None:
+        """Every rank of the engine gets the batch (each must know of every op's end)."""
+        eng = self.depot.engines.get(engine_id)
+        if eng is None:
+            return
+        for rank in range(eng.layout.world_size):
+            key = (engine_id, rank)
+            ch = self.channels.get(key)
+            if ch is not None:
+                ch.queue.put_nowait(msg)
+            else:
+                self.backlog.setdefault(key, deque(maxlen=BACKLOG)).append(msg)
+
+    def _part_copied(self, op_id: int, rank: int) -> None:
+        self.depot.part_copied(OpId(op_id), rank)
+        self.pump()
+
+    def _parts_done(self, done: list[PartDone]) -> None:
+        for d in done:
+            self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message, d.corrupt)
+            if d.copied is not None:
+                self.metrics.observe_copy(d.copied)
+            if d.corrupt:
+                log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
+        self.depot.reclaim()  # while the engine runs its forward, not in its next Step
+        self.pump()
+
+    def _disk_done(self, job_id: int, failed: set[int], corrupt: set[int], message: str) -> None:
+        self.depot.disk_job_done(job_id, failed, corrupt, message)  # type: ignore[arg-type]
+        if corrupt:
+            log.warning("disk job %d: %d blocks failed their checksum and were dropped", job_id, len(corrupt))
+        self.pump()
+
+    def _close_engine(self, engine_id: EngineId, reason: str) -> None:
+        self.copy.forget_engine(engine_id)
+        for key in [k for k in self.channels if k[0] == engine_id]:
+            self.channels.pop(key).close(reason)
+        for key in [k for k in self.backlog if k[0] == engine_id]:
+            del self.backlog[key]
+
+    async def _populate(self, mapping: RankMapping) -> None:
+        t0 = time.monotonic()
+        if await asyncio.to_thread(populate, mapping, self._stop_populating):
+            log.info(
+                "engine %s rank %d: %.1f MiB of KV memory faulted in (%.0f ms)",
+                mapping.engine_id, mapping.rank, mapping.mapped_bytes / 2**20, (time.monotonic() - t0) * 1000,
+            )
