@@ -20,7 +20,7 @@ import sys
 
 from setuptools import Extension, setup
 
-CORE = [f"server/kvdepotd/core/{m}.py" for m in ("slots", "rows", "ops", "pool", "registry", "depot")]
+CORE = [f"server/kvdepotd/core/{m}.py" for m in ("slots", "rows", "ops", "pool", "registry", "disk", "records", "lookup", "plan", "audit", "depot")]
 
 
 def extensions() -> list:

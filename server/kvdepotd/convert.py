@@ -8,10 +8,11 @@ from kvdepot.hashing import tokens_to_bytes
 from kvdepot.layout import KvLayout
 from kvdepot.messages import KINDS_PB, layout_pb
 from kvdepot.v1 import kvdepot_pb2 as pb
-from kvdepotd.core.depot import Engine, StepPlan
+from kvdepotd.core.records import Engine, StepPlan
 from kvdepotd.core.errors import InvalidRequest
 from kvdepotd.core.ops import Op, OpKind
 from kvdepotd.core.slots import Slot, StepColumns, UpdateStyle
+from kvdepotd.transfer.mapping import CudaStorage, RankSpec, ShmStorage, TensorSpec
 
 STYLE = {
     pb.UPDATE_STYLE_UNSPECIFIED: UpdateStyle.VLLM,
@@ -159,3 +160,20 @@ def engine_info(eng: Engine, ranks: list[int]) -> pb.EngineInfo:
         attached_ranks=ranks,
         last_step=max(eng.last_step, 0),
     )
+
+
+def rank_spec(req: pb.RegisterKvCachesRequest) -> RankSpec:
+    """A worker's registration as the mapping takes it (its handles checked there)."""
+    storages: list[ShmStorage | CudaStorage | None] = []
+    for s in req.storages:
+        which = s.WhichOneof("handle")
+        if which == "cpu_shm":
+            h = s.cpu_shm
+            storages.append(ShmStorage(h.path, h.handoff_id, h.offset, h.size))
+        elif which == "cuda_ipc":
+            c = s.cuda_ipc
+            storages.append(CudaStorage(c.device, c.handle, c.size, c.offset, c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required))
+        else:
+            storages.append(None)
+    tensors = [TensorSpec(t.name, t.storage, t.storage_offset, tuple(t.shape), tuple(t.stride), t.dtype) for t in req.tensors]
+    return RankSpec(req.rank, req.num_blocks, storages, tensors)

@@ -26,7 +26,8 @@ import grpc
 from kvdepot.layout import KvLayout
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd import convert
-from kvdepotd.core.depot import Depot, Engine, LoadCopied, LookupResult, OpCompleted, StepPlan
+from kvdepotd.core.depot import Depot
+from kvdepotd.core.records import Engine, LoadCopied, LookupResult, OpCompleted, StepPlan
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.core.slots import StepColumns
 from kvdepotd.metrics import Metrics
@@ -125,7 +126,7 @@ class Runtime:
             await asyncio.sleep(0.01)
             self.pump()
         if self.depot.disk_jobs:
-            log.warning("shutdown: %d disk jobs still running after the grace", len(self.depot.disk_jobs))
+            log.warning("shutdown: %d disk jobs still running after the grace", self.depot.disk_jobs)
 
     # -- what the service asks for ----------------------------------------------------------------
     def register_engine(self, engine_id: EngineId, **kw: Any) -> tuple[Engine, bool]:
@@ -223,6 +224,7 @@ class Runtime:
             if msg is None:
                 msg = batches[ev.engine_id] = pb.WorkerEvent()
             if isinstance(ev, OpCompleted):
+                self.copy.cancel(ev.op.op_id)  # an op that ended early: its parts still queued or copying stop
                 msg.completed.append(convert.op_completed_pb(ev.op))
                 self.metrics.observe_op(ev.op.kind.value.lower(), ev.op.success, t - ev.op.planned_ms)
             elif isinstance(ev, LoadCopied):

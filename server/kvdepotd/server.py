@@ -32,7 +32,8 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd import core
 from kvdepotd.auth import AuthError, Tokens
 from kvdepotd.config import DaemonConfig
-from kvdepotd.core.depot import Depot, DepotConfig, disk_record_bytes
+from kvdepotd.core.depot import Depot, DepotConfig
+from kvdepotd.core.disk import disk_record_bytes
 from kvdepotd.handoff import Handoffs
 from kvdepotd.lane import Lanes, unix_path
 from kvdepotd.metrics import Metrics

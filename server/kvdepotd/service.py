@@ -21,7 +21,7 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
 from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens, Unauthenticated
-from kvdepotd.core.depot import Engine
+from kvdepotd.core.records import Engine
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, RequestId
 from kvdepotd.errors import status_of
@@ -203,7 +203,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             fds = self._claim(request, eng.namespace)
             try:
                 # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
-                mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, request, fds)
+                mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, convert.rank_spec(request), fds)
             finally:
                 for fd in fds.values():
                     os.close(fd)  # a mapping holds its own reference

@@ -12,6 +12,7 @@ import pytest
 from kvdepot.hashing import tokens_to_bytes
 from kvdepot.layout import KvLayout
 from kvdepot.testing.kv import FakeKv
+from kvdepotd.convert import rank_spec
 from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted
 from kvdepotd.core.ops import EngineId, OpId, OpKind, RequestId
 from kvdepotd.core.slots import SlotUpdate, UpdateStyle
@@ -48,7 +49,7 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
         copy.add_engine(E, LAYOUT)
         kv = FakeKv(LAYOUT, num_blocks=8)
         [req] = kv.share()
-        copy.add_mapping(map_rank(E, LAYOUT, req))
+        copy.add_mapping(map_rank(E, LAYOUT, rank_spec(req)))
         toks = list(range(40, 73))  # 33 tokens: blocks 0 and 1 are full
         kv.write([0, 1, 2], toks, range(33))
         depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 33, tokens_to_bytes(toks), (0, 1, 2))], [], [], 0)
@@ -88,8 +89,8 @@ async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Op
     real_copy = HostCopyEngine._copy
 
     def copy_(self: HostCopyEngine, part: host._Part, work: host.Work, first: bool) -> tuple[list[int], list[int], str]:
-        nice[part.op.kind].add(os.getpriority(os.PRIO_PROCESS, 0))  # (0: this thread, on Linux)
-        if part.op.kind is OpKind.STORE and hold.is_set():
+        nice[part.plan.kind].add(os.getpriority(os.PRIO_PROCESS, 0))  # (0: this thread, on Linux)
+        if part.plan.kind is OpKind.STORE and hold.is_set():
             store_started.set()
             load_done.wait(1.0)
         return real_copy(self, part, work, first)
@@ -109,7 +110,7 @@ async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Op
     copy.add_engine(E, LAYOUT)
     kv = FakeKv(LAYOUT, num_blocks=32)
     [req] = kv.share()
-    copy.add_mapping(map_rank(E, LAYOUT, req))
+    copy.add_mapping(map_rank(E, LAYOUT, rank_spec(req)))
     a = list(range(1000, 1065))  # 4 full blocks
     b = list(range(2000, 2129))  # 8 full blocks
     kv.write([0, 1, 2, 3, 4], a, range(65))
@@ -125,7 +126,7 @@ async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Op
     kv.poison([20, 21, 22, 23])
     depot.step(E, 3, [SlotUpdate(RequestId("c"), True, 64, 1, tokens_to_bytes(a), (20, 21, 22, 23, 24), 0, 64)], [], [], 0)
     parts = depot.take_ready()
-    assert [op.kind for op, _ in parts] == [OpKind.STORE, OpKind.LOAD]
+    assert [p.kind for p in parts] == [OpKind.STORE, OpKind.LOAD]
     copy.submit(parts[:1])
     assert await asyncio.to_thread(store_started.wait, 1.0)  # the store's copy has begun (and is held)
     copy.submit(parts[1:])
@@ -172,7 +173,7 @@ def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> 
         copy.add_engine(E, LAYOUT)
         kv = FakeKv(LAYOUT, num_blocks=8)
         [req] = kv.share()
-        copy.add_mapping(map_rank(E, LAYOUT, req))
+        copy.add_mapping(map_rank(E, LAYOUT, rank_spec(req)))
         toks = list(range(40, 73))
         kv.write([0, 1, 2], toks, range(33))
         depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 33, tokens_to_bytes(toks), (0, 1, 2))], [], [], 0)
@@ -221,7 +222,7 @@ def test_populate_faults_a_fresh_mapping_in() -> None:
     kv = FakeKv(LAYOUT, num_blocks=1024)  # 2 MiB
     try:
         [req] = kv.share()
-        m = map_rank(E, LAYOUT, req)
+        m = map_rank(E, LAYOUT, rank_spec(req))
         addr, size_kib = m.storages[0].data_ptr(), m.storages[0].nbytes() // 1024
         assert size_kib >= 1024 and _rss_kib(addr) < size_kib // 4
         stopped = threading.Event()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvdepot.hashing import tokens_to_bytes
 from kvdepot.layout import KvLayout
 from kvdepotd.core.depot import Depot, DepotConfig, Event, OpCompleted, RequestReleased, StepPlan
-from kvdepotd.core.ops import EngineId, Op, OpKind, RequestId
+from kvdepotd.core.ops import EngineId, Op, OpKind, Part, RequestId
 from kvdepotd.core.slots import BlockState, SlotUpdate, UpdateStyle
 
 BS = 16
@@ -76,13 +76,13 @@ class Sim:
             self.depot.forward_done(self.engine, r, self.step_no if step is None else step)
         self.run_copies()
 
-    def run_copies(self, fail: set[int] | None = None, corrupt: set[int] | None = None) -> list[tuple[Op, int]]:
+    def run_copies(self, fail: set[int] | None = None, corrupt: set[int] | None = None) -> list[Part]:
         """Ends every ready part; the block indices in `fail` fail, those in `corrupt` fail their checksum."""
         parts = self.depot.take_ready()
-        for op, r in parts:
-            bad = [i for i in op.block_indices if (fail and i in fail) or (corrupt and i in corrupt)]
+        for p in parts:
+            bad = [i for i in p.indices if (fail and i in fail) or (corrupt and i in corrupt)]
             sums = [i for i in bad if corrupt and i in corrupt]
-            self.depot.complete_part(op.op_id, r, bad or None, "injected" if bad else "", sums or None)
+            self.depot.complete_part(p.op_id, p.rank, bad or None, "injected" if bad else "", sums or None)
         self.events += self.depot.take_events()
         self.depot.check_invariants()
         return parts

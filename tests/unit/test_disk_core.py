@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
-from kvdepotd.core.depot import Depot, DepotConfig, DiskJob, DiskJobKind, disk_record_bytes
+from kvdepotd.core.depot import Depot, DepotConfig
+from kvdepotd.core.disk import DiskJob, DiskJobKind, disk_record_bytes
 from kvdepotd.core.ops import OpKind, RequestId
 from kvdepotd.core.slots import BlockState
 
@@ -256,9 +257,9 @@ def test_a_long_disk_load_is_cut_into_ops_that_start_as_their_blocks_arrive() ->
     assert len(jobs) == 10
     sim.depot.disk_job_done(jobs[0].job_id, set(), set())
     ready = sim.depot.take_ready()
-    assert [op.op_id for op, _ in ready] == [loads[0].op_id]  # the first part copies while the rest is read
-    for op, r in ready:
-        sim.depot.complete_part(op.op_id, r)
+    assert [p.op_id for p in ready] == [loads[0].op_id]  # the first part copies while the rest is read
+    for p in ready:
+        sim.depot.complete_part(p.op_id, p.rank)
     for job in jobs[1:]:
         sim.depot.disk_job_done(job.job_id, set(), set())
     sim.run_copies()

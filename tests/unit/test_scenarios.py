@@ -75,7 +75,7 @@ def test_b_host_hit_loads_into_right_blocks_and_stores_only_new(style: UpdateSty
     assert engine_blocks_of(plan, STORE) == [D[5]]
     # Loads start at once; the store waits for the forward.
     ready = sim.run_copies()
-    assert [op.kind for op, _ in ready] == [LOAD]
+    assert [p.kind for p in ready] == [LOAD]
     sim.forward_done()
     # Decode from 100 to 112 tokens: block 6 exactly when the 112th token is computed.
     n = 100
@@ -178,8 +178,8 @@ def test_f_abort_during_load(style: UpdateStyle) -> None:
     ready = sim.depot.take_ready()
     plan = sim.step(finished=["r"])
     assert plan.delay_free == ["r"]
-    for op, rank in ready:
-        sim.depot.complete_part(op.op_id, rank)
+    for p in ready:
+        sim.depot.complete_part(p.op_id, p.rank)
     sim.run_copies()
     assert sim.released() == ["r"]
     sim.step(finished=["r"])  # a repeated finish changes nothing
@@ -395,14 +395,15 @@ def test_every_counter_the_core_moves_is_declared() -> None:
     import pathlib
     import re
 
-    from kvdepotd.core import depot
+    from kvdepotd.core import depot, records
 
-    src = (pathlib.Path(depot.__file__).parent / "depot.py").read_text()  # beside the module, compiled or not
+    # Every module of the core, read beside the package (compiled or not).
+    src = "\n".join(p.read_text() for p in sorted(pathlib.Path(depot.__file__).parent.glob("*.py")))
     used = set(re.findall(r'counters\["([a-z_]+)"\]', src))
     for pair in re.findall(r'"([a-z_]+)" if ok else "([a-z_]+)"', src):
         used |= set(pair)
-    assert {"stored_blocks", "load_failed_blocks"} <= used
-    assert used <= set(depot.COUNTERS), used - set(depot.COUNTERS)
+    assert {"stored_blocks", "load_failed_blocks", "disk_written_blocks", "lookups"} <= used
+    assert used <= set(records.COUNTERS), used - set(records.COUNTERS)
 
 
 def test_first_step_reuses_the_lookups_hash_chain(monkeypatch: pytest.MonkeyPatch) -> None:

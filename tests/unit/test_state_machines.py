@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvdepot.hashing import BlockHash
-from kvdepotd.core.depot import Depot, DepotConfig, DiskJob, OpCompleted, RequestReleased, disk_record_bytes
+from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted, RequestReleased
+from kvdepotd.core.disk import DiskJob, disk_record_bytes
 from kvdepotd.core.errors import DepotError, FailedPrecondition
 from kvdepotd.core.ops import OpKind
 from kvdepotd.core.pool import BlockPool, SlabArena

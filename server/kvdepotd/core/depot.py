@@ -1,261 +1,84 @@
 """The Depot: the daemon's whole state and the one place that changes it. Pure and synchronous.
 
-Primitives (called by the service on the event loop, one at a time; `now_ms` is passed in):
-    register_engine / heartbeat / unregister_engine      engine lifecycle with a lease
+Primitives (called by the runtime on the event loop, one at a time; `now_ms` is passed in):
+    register_engine / renew_lease / unregister_engine     engine lifecycle with a lease
     lookup(...)  -> LookupResult      tokens beyond the engine's own hit the tiers hold; pins them
     step(...)    -> StepPlan          applies slot updates, finishes, preemptions; returns new ops
     forward_done(engine, rank, step)  a worker's forward for `step` ended: its stores may start
-    take_ready() -> [(Op, rank)]      op parts the copy engine should run now
-    complete_part(op_id, rank, failed_indices, message)   the copy engine's report for one part
-    expire(now_ms)                    ends ops, pins and leases past their deadlines
+    take_ready() -> [Part]            op parts the copy engine should run now (plain data)
+    part_copied(op_id, rank)          a late-checked load's bytes reached the engine on one rank
+    complete_part(op_id, rank, failed, message, corrupt)   the copy engine's report for one part
+    take_disk_jobs / disk_job_done / take_disk_drops / restore_disk   the disk tier (disk.py)
+    expire(now_ms) -> [EngineId]      ends ops, pins and leases past their deadlines; who expired
     reclaim() -> int                  evicts ahead of need down to a small reserve of free host
                                       slots, so a Step's stores find one without evicting (the
-                                      service calls it off the engine's path)
-    part_copied(op_id, rank)          a late-checked load's bytes reached the engine on one rank
+                                      runtime calls it off the engine's path)
     take_events() -> [OpCompleted | RequestReleased | LoadCopied]      what the workers must be told
-    clear(), stats(), slot_blocks(), block_info()          admin and inspection
+    clear(), stats(), slot(), block_info()     admin and inspection
 
-The disk tier (G3, when config.disk_bytes > 0) is a second registry per layout class. Lookups
-mix tiers (host preferred); a load of a block only on disk first stages it into a fresh host
-slot (a READ disk job; the load op is held until it ends). Host blocks reach the disk through a
-queue of admitted blocks (seen `disk_admit_after` times within the window), written by WRITE disk
-jobs: at once (write-through) or once the host pool is past its watermark (write-back), so that
-host eviction finds them already on disk. take_disk_jobs / disk_job_done are the storage's side;
-take_disk_drops lists disk slots whose entry is gone (the storage journals their removal).
-
-Two-phase everywhere: a store allocates and marks the block STORING (never evicted, never
-allocated twice) and complete_part makes it RESIDENT or drops it; a lookup pins, the load op takes
-the pins over, and its completion unpins. Every op ends exactly once (ops.py).
+Lookups mix tiers (host preferred). Two-phase everywhere: a store allocates and marks the block
+STORING (never evicted, never allocated twice) and complete_part makes it RESIDENT or drops it; a
+lookup pins, the load op takes the pins over, and its completion unpins. Every op ends exactly
+once (ops.py).
 """
 
 from __future__ import annotations
 
-import enum
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from kvdepot.hashing import BlockHash, block_hashes, salt_hash, scope_seed
+from kvdepot.hashing import BlockHash
 from kvdepot.layout import KvLayout
+from kvdepotd.core import audit
+from kvdepotd.core.disk import DISK_MAX_RANKS, DiskConfig, DiskJob, DiskPlanner, Domain, disk_record_bytes
 from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
-from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, RequestId
+from kvdepotd.core.lookup import match
+from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
+from kvdepotd.core.plan import OpPlanner
 from kvdepotd.core.pool import BlockPool, SlabArena, SlotId
-from kvdepotd.core.registry import BlockEntry, BlockRegistry, BlockStatus, make_eviction_policy
-from kvdepotd.core.rows import RowPass, check_columns
-from kvdepotd.core.slots import MAX_ID_LEN, BlockState, Phase, Slot, SlotUpdate, StepColumns, UpdateStyle
-
-MAX_LEASE_MS = 3_600_000
-# Every counter the core keeps (exported as kvdepot_<name>_total, at 0 until it first moves).
-COUNTERS = (
-    "engines_registered", "engines_unregistered", "leases_expired",
-    "lookups", "lookup_hit_tokens", "pins_expired",
-    "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
-    "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks", "store_blocks_cancelled",
-    "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
-    "ops_expired", "cleared_blocks", "evictions",
-    "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
-    "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
-    "disk_full", "disk_evictions", "disk_write_missed_blocks",
+from kvdepotd.core.records import (
+    MAX_LEASE_MS,
+    DepotConfig,
+    DepotStats,
+    Engine,
+    Event,
+    LoadCopied,
+    LookupPin,
+    LookupResult,
+    OpCompleted,
+    PoolStats,
+    RequestReleased,
+    StepPlan,
 )
-DISK_HEADER_BYTES = 4096  # one header per block on disk, before its data
-DISK_ALIGN = 4096  # O_DIRECT alignment of every offset and length on disk
-DISK_MAX_RANKS = 500  # a block header holds one checksum per rank: wider engines get no disk tier
-DISK_POLICIES = ("write-back", "write-through")
-SEEN_CAP = 1 << 18  # hashes the admission window remembers per layout class
+from kvdepotd.core.registry import BlockEntry, BlockRegistry, make_eviction_policy
+from kvdepotd.core.rows import RowPass, check_columns
+from kvdepotd.core.slots import MAX_ID_LEN, Phase, Slot, SlotUpdate, StepColumns, UpdateStyle
 
-
-def disk_record_bytes(block_bytes: int) -> int:
-    """Bytes one block takes on disk: its header, then its data padded to the alignment."""
-    return DISK_HEADER_BYTES + -(-block_bytes // DISK_ALIGN) * DISK_ALIGN
-
-
-@dataclass(frozen=True, slots=True)
-class DepotConfig:
-    host_bytes: int
-    slab_bytes: int = 64 << 20
-    lease_ms: int = 30_000
-    pin_ms: int = 30_000
-    max_pin_ms: int = 600_000
-    op_timeout_ms: int = 30_000
-    max_tokens: int = 1 << 21
-    step_cache: int = 16
-    eviction_policy: str = "leaf-lru"
-    disk_bytes: int = 0
-    disk_slab_bytes: int = 256 << 20
-    disk_policy: str = "write-back"
-    disk_admit_after: int = 2
-    disk_admit_window_ms: int = 600_000
-    disk_watermark: float = 0.8  # write-back: host pool fraction past which admitted blocks are written
-    disk_job_blocks: int = 32
-    disk_jobs_in_flight: int = 4  # write jobs per layout class
-    # reclaim() keeps this many host slots of each layout class free: 1/64 of the pool, at most 256
-    # (a few steps' worth of stores), so eviction leaves the Step path at the cost of that margin.
-    free_reserve_fraction: float = 1 / 64
-    free_reserve_max: int = 256
-    namespace_host_share: float = 1.0  # < 1: most of a host pool one namespace may hold (BlockRegistry owner_share)
-    # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
-    # daemon's op 7 would take the new daemon's op 7 as done. The service starts them from the clock.
-    first_op_id: int = 1
-
-
-@dataclass(slots=True)
-class Domain:
-    """One layout class: its host pool and registry (and disk ones), shared by engines of that class."""
-
-    layout_class: str
-    block_bytes: int
-    world_size: int
-    registry: BlockRegistry
-    disk: BlockRegistry | None = None
-    demote: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)  # admitted host blocks not on disk yet
-    seen: OrderedDict[BlockHash, list[int]] = field(default_factory=OrderedDict)  # hash -> [sightings, window start ms]
-    writes_in_flight: int = 0
-
-
-class DiskJobKind(enum.Enum):
-    WRITE = "WRITE"  # host slot -> disk slot
-    READ = "READ"  # disk slot -> host slot (staging for a load)
-
-
-@dataclass(slots=True)
-class DiskItem:
-    hash: BlockHash
-    parent: BlockHash | None
-    host_slot: SlotId
-    disk_slot: SlotId
-
-
-@dataclass(slots=True)
-class DiskJob:
-    job_id: int
-    kind: DiskJobKind
-    domain: Domain
-    items: list[DiskItem]
-
-
-@dataclass(slots=True)
-class LookupPin:
-    hashes: list[BlockHash]
-    deadline_ms: int
-    on_disk: list[bool]  # per hash: pinned in the disk tier (else the host tier)
-    # The hash chain the lookup computed from block 0 (over `tokens`, with `seed`): the request's
-    # first Step reuses it when it carries the same tokens, instead of hashing the prompt again.
-    tokens: bytes = b""
-    seed: int = 0
-    chain: list[BlockHash] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    matched_tokens: int
-    host_tokens: int
-    disk_tokens: int
-    pin_deadline_ms: int
-    total_blocks: int
-
-
-@dataclass(slots=True)
-class StepPlan:
-    step: int
-    ops: list[Op] = field(default_factory=list)
-    delay_free: list[RequestId] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class OpCompleted:
-    engine_id: EngineId
-    op: Op
-
-
-@dataclass(frozen=True, slots=True)
-class RequestReleased:
-    engine_id: EngineId
-    request_id: RequestId
-
-
-@dataclass(frozen=True, slots=True)
-class LoadCopied:
-    """A check_late load's bytes are in the engine's blocks on every rank (its OpCompleted follows)."""
-
-    engine_id: EngineId
-    op_id: OpId
-
-
-Event = OpCompleted | RequestReleased | LoadCopied
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStats:
-    layout_class: str
-    tier: str  # "host" or "disk"
-    block_bytes: int  # of the layout class (a disk record adds its header and padding)
-    capacity_blocks: int
-    used_blocks: int
-    pinned_blocks: int
-    in_flight_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class DepotStats:
-    """What GetStats and the metrics export, read in one walk (Depot.stats)."""
-
-    engines: int
-    slots: int
-    ops_in_flight: int
-    pools: list[PoolStats]
-    counters: dict[str, int]
-    namespace_engines: dict[str, int]
-    namespace_slots: dict[str, int]
-    namespace_host_blocks: dict[str, int]  # host-tier blocks each namespace holds, all layout classes
-    host_bytes: int
-    disk_bytes: int
-    disk_used_bytes: int
-
-
-@dataclass(slots=True)
-class Engine:
-    engine_id: EngineId
-    name: str
-    model: str
-    layout: KvLayout
-    namespace: str
-    style: UpdateStyle
-    lease_ms: int
-    lease_expires_ms: int
-    domain: Domain
-    key: str = ""
-    late_load_checks: bool = False  # its loads report LoadCopied before their checksums are checked
-    slots: dict[RequestId, Slot] = field(default_factory=dict)
-    pins: dict[RequestId, LookupPin] = field(default_factory=dict)
-    last_step: int = -1
-    responses: OrderedDict[int, StepPlan] = field(default_factory=OrderedDict)
-
-    def seed(self, cache_salt: str, lora_name: str) -> int:
-        return scope_seed(salt_hash(cache_salt, lora_name), self.namespace, self.model)
+__all__ = [
+    "Depot", "DepotConfig", "DepotStats", "Engine", "Event", "LoadCopied", "LookupResult", "OpCompleted", "PoolStats", "RequestReleased", "StepPlan",
+]
 
 
 class Depot:
     def __init__(self, config: DepotConfig) -> None:
         self.config = config
         make_eviction_policy(config.eviction_policy)  # fail early on an unknown name
-        if config.disk_policy not in DISK_POLICIES:
-            raise ValueError(f"unknown disk policy {config.disk_policy!r}; known: {', '.join(DISK_POLICIES)}")
         self.host_arena = SlabArena(config.host_bytes, config.slab_bytes)
         self.disk_arena = SlabArena(config.disk_bytes, config.disk_slab_bytes)
-        self.disk_jobs: dict[int, DiskJob] = {}
-        self._disk_ready: list[DiskJob] = []
-        self._next_job = 1
-        self._now_ms = 0
-        self._flush = False
-        self._staging: dict[BlockHash, list[tuple[Op, int]]] = {}  # block being read from disk -> (load, position) waiting
         self.domains: dict[str, Domain] = {}
         self.engines: dict[EngineId, Engine] = {}
         self.by_key: dict[tuple[str, str], EngineId] = {}  # (namespace, engine key): keys are a namespace's own
         self.ops = OpTable(config.first_op_id)
         self.counters: Counter[str] = Counter()
+        disk = DiskConfig(
+            config.disk_policy, config.disk_admit_after, config.disk_admit_window_ms, config.disk_watermark,
+            config.disk_job_blocks, config.disk_jobs_in_flight,
+        )
+        self.disk = DiskPlanner(disk, self.ops, self.counters)
         self._ready: list[tuple[Op, int]] = []
         self._events: list[Event] = []
         self._slot_epoch: dict[tuple[EngineId, RequestId], int] = {}
+        self.planner = OpPlanner(config, self.ops, self.disk, self.counters, self._slot_epoch)
 
     # -- engines -------------------------------------------------------------------------------
     def register_engine(
@@ -317,7 +140,7 @@ class Depot:
             if ended is not None:
                 self._op_ended(ended)
         for rid in list(eng.pins):
-            self._release_pin(eng, rid)
+            eng.release_pin(rid)
         released = len(eng.slots)
         for rid in list(eng.slots):
             self._release_slot(eng, rid)
@@ -358,8 +181,8 @@ class Depot:
         if pin_ms < 0 or pin_ms > self.config.max_pin_ms:
             raise InvalidRequest(f"pin_ms must be in [0, {self.config.max_pin_ms}], got {pin_ms}")
         self.counters["lookups"] += 1
-        self._now_ms = now_ms
-        self._release_pin(eng, request_id)  # a repeated lookup replaces the earlier answer
+        self.disk.now_ms = now_ms
+        eng.release_pin(request_id)  # a repeated lookup replaces the earlier answer
         first = L // bs
         # The last prompt token is always recomputed (the engine needs its logits), so never offer it.
         offerable = max(0, (n - 1) // bs - first) if n else 0
@@ -368,7 +191,7 @@ class Depot:
         chain: list[BlockHash] = []
         seed = eng.seed(cache_salt, lora_name)
         if L % bs == 0 and offerable:
-            hit, on_disk, chain = self._match(eng, tokens, seed, first, offerable)
+            hit, on_disk, chain = match(eng.domain, tokens, bs, seed, first, offerable)
         deadline = now_ms + (pin_ms or self.config.pin_ms)
         if hit:
             eng.pins[request_id] = LookupPin(hit, deadline, on_disk, tokens, seed, chain)
@@ -377,55 +200,6 @@ class Depot:
         self.counters["lookup_hit_tokens"] += matched
         self.counters["lookup_disk_hit_tokens"] += disk
         return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs)
-
-    def _match(self, eng: Engine, tokens: bytes, seed: int, first: int, limit: int) -> tuple[list[BlockHash], list[bool], list[BlockHash]]:
-        """Resident blocks from `first` on, stopping at the first block no tier holds, pinned in
-        the tier they are taken from (host first); hashes in growing chunks so a miss early in a
-        long prompt costs little. Also returns every hash computed, from block 0 on (the chain)."""
-        dom = eng.domain
-        bs = eng.layout.block_size
-        chain = block_hashes(tokens, bs, seed, limit=first) if first else []
-        prev = chain[-1] if chain else None
-        out: list[BlockHash] = []
-        on_disk: list[bool] = []
-        chunk = 32
-        while len(out) < limit:
-            hs = block_hashes(tokens, bs, seed, start_block=first + len(out), prev=prev, limit=min(chunk, limit - len(out)))
-            if not hs:
-                break
-            chain += hs
-            n = self._match_tiers(dom, hs, on_disk)
-            out += hs[:n]
-            if n < len(hs):
-                break
-            prev = hs[-1]
-            chunk *= 4
-        return out, on_disk, chain
-
-    @staticmethod
-    def _match_tiers(dom: Domain, hs: list[BlockHash], on_disk: list[bool]) -> int:
-        """Pins the leading blocks of `hs` some tier holds; runs of host blocks go in one pass."""
-        host, disk = dom.registry, dom.disk
-        i = 0
-        while i < len(hs):
-            n = host.match_and_pin(hs[i:] if i else hs)
-            on_disk += [False] * n
-            i += n
-            if disk is None:
-                break
-            start = i
-            while i < len(hs):
-                h = hs[i]
-                e = disk.state_of(h)
-                if e is None or e.status is not BlockStatus.RESIDENT or e.doomed or host.lookup([h]):
-                    break
-                disk.pin(h)
-                e.hits += 1
-                on_disk.append(True)
-                i += 1
-            if i == start:
-                break
-        return i
 
     # -- step ----------------------------------------------------------------------------------
     def step(
@@ -438,7 +212,7 @@ class Depot:
         now_ms: int,
     ) -> StepPlan:
         eng = self.engine(engine_id)
-        self._now_ms = now_ms
+        self.disk.now_ms = now_ms
         if (cached := eng.responses.get(step)) is not None:
             self.counters["steps_repeated"] += 1
             return cached  # rule 5: a repeated step is answered the same and changes nothing
@@ -459,7 +233,7 @@ class Depot:
         for u in slow:
             self._apply(eng, u, step, now_ms, plan)
         for slot in touched:
-            self._plan_store(eng, slot, slot.store_candidates(slot.computed), step, now_ms, plan)
+            self._store(eng, slot, slot.store_candidates(slot.computed), step, now_ms, plan)
         for rid in finished:
             self._finish(eng, rid, plan)
         eng.last_step = step
@@ -487,9 +261,10 @@ class Depot:
                 slot.append_tokens(u.new_tokens)
             loads = slot.start_device_state(u.device_matched_tokens, u.loaded_tokens, list(u.new_block_ids))
             if loads:
-                self._plan_load(eng, slot, loads, step, now_ms, plan)
+                for op in self.planner.load(eng, slot, loads, step, now_ms):
+                    self._add_op(slot, op, plan)
             else:
-                self._release_pin(eng, slot.request_id)
+                eng.release_pin(slot.request_id)
         else:
             slot.append_tokens(u.new_tokens)
             if u.is_new:  # the same request again, e.g. scheduled after its async load: a fuller table
@@ -500,7 +275,7 @@ class Depot:
                 slot.rewind(C)  # rule 6: the engine's numbers win
         slot.computed = C + S
         slot.last_step = step
-        self._plan_store(eng, slot, slot.store_candidates(C + S), step, now_ms, plan)
+        self._store(eng, slot, slot.store_candidates(C + S), step, now_ms, plan)
 
     @staticmethod
     def _continues(slot: Slot, u: SlotUpdate) -> bool:
@@ -514,129 +289,12 @@ class Depot:
             and list(u.new_block_ids[: len(slot.block_table)]) == slot.block_table
         )
 
-    def _plan_load(self, eng: Engine, slot: Slot, targets: range, step: int, now_ms: int, plan: StepPlan) -> None:
-        """Rule 2: load targets are in flight from the daemon. The op takes its own pins (blocks
-        the lookup pinned are still resident); a target no tier holds fails at once (recompute)."""
-        dom = eng.domain
-        reg, disk = dom.registry, dom.disk
-        idx = list(targets)
-        hashes = [slot.hashes[i] for i in idx]
-        tier_slots: list[SlotId | None] = []
-        failed: set[int] = set()
-        staged: dict[int, DiskItem] = {}  # position -> the read this load starts
-        waits: dict[int, BlockHash] = {}  # position -> a block staging for this load (its own read or another's)
-        for pos, (i, h) in enumerate(zip(idx, hashes)):
-            self._sighting(dom, h)
-            e = reg.state_of(h)
-            if e is not None and e.status is BlockStatus.RESIDENT and not e.doomed:
-                reg.pin(h)
-                tier_slots.append(e.slot)
-                self._consider(dom, h)
-                continue
-            if e is not None and h in self._staging:  # another load is staging it: wait for the same read
-                tier_slots.append(e.slot)
-                waits[pos] = h
-                continue
-            d = disk.state_of(h) if disk is not None and e is None else None
-            if d is not None and d.status is BlockStatus.RESIDENT and not d.doomed:
-                parent = slot.hashes[i - 1] if i else None
-                hslot = reg.prepare_store(h, parent, eng.namespace)  # staged through the host tier
-                if hslot is not None:
-                    disk.pin(h)  # type: ignore[union-attr]
-                    tier_slots.append(hslot)
-                    staged[pos] = DiskItem(h, parent, hslot, d.slot)
-                    self._staging[h] = []
-                    waits[pos] = h
-                    continue
-            tier_slots.append(None)
-            failed.add(i)
-        self._release_pin(eng, slot.request_id)
-        reg.touch(hashes)
-        if disk is not None:
-            disk.touch([it.hash for it in staged.values()])
-        # With blocks to stage, the load is cut into ops of a read job's size: each starts copying into
-        # the engine as soon as its own blocks arrived, while the next ones are still being read.
-        n = max(1, self.config.disk_job_blocks // 2) if waits else len(idx)
-        for k in range(0, len(idx), n):
-            part = range(k, min(k + n, len(idx)))
-            op = self._new_op(eng, slot, OpKind.LOAD, idx[k : k + n], hashes[k : k + n], tier_slots[k : k + n], step, now_ms)
-            op.failed = {idx[p] for p in part if idx[p] in failed}
-            if op.failed:
-                op.message = "blocks not resident in any tier"
-            if mine := [p for p in part if p in waits]:
-                op.staging = {idx[p] for p in mine}
-                op.from_disk = set(op.staging)
-                op.held = True
-                for p in mine:
-                    self._staging[waits[p]].append((op, p - k))
-            if items := [staged[p] for p in part if p in staged]:
-                self._disk_job(DiskJobKind.READ, dom, items)
-            self._add_op(eng, slot, op, plan)
-        self.counters["load_blocks_planned"] += len(idx)
+    def _store(self, eng: Engine, slot: Slot, candidates: list[int], step: int, now_ms: int, plan: StepPlan) -> None:
+        op = self.planner.store(eng, slot, candidates, step, now_ms)
+        if op is not None:
+            self._add_op(slot, op, plan)
 
-    def _plan_store(self, eng: Engine, slot: Slot, candidates: list[int], step: int, now_ms: int, plan: StepPlan) -> None:
-        """Rule 3: check the registry before allocating; resident or in-flight hashes are skipped."""
-        if not candidates:
-            return
-        dom = eng.domain
-        reg, disk = dom.registry, dom.disk
-        idx: list[int] = []
-        tier_slots: list[SlotId | None] = []
-        for i in candidates:
-            h = slot.hashes[i]
-            if disk is not None:
-                self._sighting(dom, h)
-            if reg.state_of(h) is not None or (disk is not None and disk.state_of(h) is not None):
-                slot.states[i] = BlockState.ALREADY_CACHED
-                reg.touch([h])
-                if disk is not None:
-                    disk.touch([h])
-                    self._consider(dom, h)
-                self.counters["store_blocks_already_cached"] += 1
-                continue
-            tslot = reg.prepare_store(h, slot.hashes[i - 1] if i else None, eng.namespace)
-            if tslot is None:
-                slot.states[i] = BlockState.NOT_STORED
-                self.counters["store_blocks_over_share" if reg.at_share(eng.namespace) else "store_blocks_tier_full"] += 1
-                continue
-            slot.states[i] = BlockState.STORING
-            idx.append(i)
-            tier_slots.append(tslot)
-        if idx:
-            hashes = [slot.hashes[i] for i in idx]
-            self.counters["store_blocks_planned"] += len(idx)
-            self._add_op(eng, slot, self._new_op(eng, slot, OpKind.STORE, idx, hashes, tier_slots, step, now_ms), plan)
-
-    def _new_op(
-        self,
-        eng: Engine,
-        slot: Slot,
-        kind: OpKind,
-        idx: list[int],
-        hashes: list[BlockHash],
-        tier_slots: list[SlotId | None],
-        step: int,
-        now_ms: int,
-    ) -> Op:
-        return Op(
-            op_id=self.ops.new_id(),
-            kind=kind,
-            engine_id=eng.engine_id,
-            request_id=slot.request_id,
-            block_indices=idx,
-            block_ids=[slot.block_table[i] for i in idx],
-            hashes=hashes,
-            tier_slots=tier_slots,
-            step=step,
-            deadline_ms=now_ms + self.config.op_timeout_ms,
-            planned_ms=now_ms,
-            world_size=eng.layout.world_size,
-            registry=eng.domain.registry,
-            epoch=self._slot_epoch.get((eng.engine_id, slot.request_id), 0),
-            check_late=kind is OpKind.LOAD and eng.late_load_checks,
-        )
-
-    def _add_op(self, eng: Engine, slot: Slot, op: Op, plan: StepPlan) -> None:
+    def _add_op(self, slot: Slot, op: Op, plan: StepPlan) -> None:
         slot.ops.add(op.op_id)
         plan.ops.append(op)
         self._ready += self.ops.add(op)
@@ -652,7 +310,7 @@ class Depot:
         self.counters["preemptions"] += 1
 
     def _finish(self, eng: Engine, rid: RequestId, plan: StepPlan) -> None:
-        self._release_pin(eng, rid)
+        eng.release_pin(rid)
         slot = eng.slots.get(rid)
         if slot is None or slot.phase is Phase.FINISHING:
             return  # never scheduled, or already finishing: finishing is idempotent
@@ -714,9 +372,22 @@ class Depot:
                 evicted += 1
         return evicted
 
-    def take_ready(self) -> list[tuple[Op, int]]:
+    def take_ready(self) -> list[Part]:
+        """Op parts the copy engine should run now, as plain data (see ops.Part)."""
         ready, self._ready = self._ready, []
-        return [(op, r) for op, r in ready if op.op_id in self.ops.ops]
+        work: dict[OpId, tuple[tuple[int, int, SlotId, int], ...]] = {}  # the same for every rank of an op
+        parts: list[Part] = []
+        for op, rank in ready:
+            if op.op_id not in self.ops.ops:
+                continue
+            w = work.get(op.op_id)
+            if w is None:
+                pool = self.domains[op.layout_class].registry.pool
+                w = work[op.op_id] = tuple(
+                    (i, b, s, pool.byte_offset(s)) for i, b, s in zip(op.block_indices, op.block_ids, op.tier_slots) if s is not None and i not in op.failed
+                )
+            parts.append(Part(op.op_id, op.kind, op.engine_id, rank, op.layout_class, op.step, op.check_late, tuple(op.block_indices), w, tuple(sorted(op.failed)), op.message))
+        return parts
 
     def part_copied(self, op_id: OpId, rank: int) -> None:
         """A check_late load's part has copied its bytes into the engine (its checksums are being
@@ -736,39 +407,12 @@ class Depot:
 
     def _op_ended(self, op: Op) -> None:
         epoch = op.epoch
-        reg = op.registry
+        dom = self.domains[op.layout_class]
         eng = self.engines.get(op.engine_id)
         slot = eng.slots.get(op.request_id) if eng is not None else None
         current = slot is not None and self._slot_epoch.get((op.engine_id, op.request_id), 0) == epoch
-        kind = op.kind
-        for i, h, s in zip(op.block_indices, op.hashes, op.tier_slots):
-            ok = i not in op.failed
-            if kind is OpKind.STORE:
-                reg.complete_store(h, ok)
-                if ok:
-                    self.counters["stored_blocks"] += 1
-                elif op.cancelled:  # the engine was about to reuse the blocks: not a failure of the tier
-                    self.counters["store_blocks_cancelled"] += 1
-                else:
-                    self.counters["store_failed_blocks"] += 1
-                if ok and eng is not None and eng.domain.disk is not None:
-                    self._consider(eng.domain, h, stored=True)
-                if slot is not None and slot.states[i] is BlockState.STORING:
-                    slot.states[i] = BlockState.STORED if ok else BlockState.STORE_FAILED
-                    slot.stored_blocks += ok
-            else:
-                if s is not None and i not in op.staging:  # a block still staging is pinned once it arrives
-                    reg.unpin(h)
-                if i in op.corrupt:
-                    reg.discard(h)
-                    if i in op.from_disk:  # read from disk for this load a moment ago: the disk's copy is bad
-                        self._discard_on_disk(reg, h)
-                    else:
-                        self.counters["checksum_failures"] += 1
-                self.counters["loaded_blocks" if ok else "load_failed_blocks"] += 1
-                if current and slot is not None and slot.states[i] is BlockState.LOADING:
-                    slot.states[i] = BlockState.LOADED if ok else BlockState.LOAD_FAILED
-        if kind is OpKind.LOAD and op.failed and current and slot is not None and eng is not None:
+        self.planner.settle(op, dom, slot, current, stored_by_live_engine=eng is not None)
+        if op.kind is OpKind.LOAD and op.failed and current and slot is not None and eng is not None:
             # What the engine computes over the failed blocks is wrong until it rewinds (rule 6).
             first = min(op.failed)
             slot.taint = min(slot.taint, first) if slot.taint >= 0 else first
@@ -784,12 +428,6 @@ class Depot:
                 self._release_slot(eng, slot.request_id)
                 self._events.append(RequestReleased(eng.engine_id, slot.request_id))
 
-    def _discard_on_disk(self, reg: BlockRegistry, h: BlockHash) -> None:
-        for dom in self.domains.values():
-            if dom.registry is reg and dom.disk is not None:
-                dom.disk.discard(h)
-                self.counters["disk_checksum_failures"] += 1
-
     def take_events(self) -> list[Event]:
         events, self._events = self._events, []
         return events
@@ -798,7 +436,7 @@ class Depot:
     def expire(self, now_ms: int) -> list[EngineId]:
         """Ends ops, pins and leases past their deadlines; returns the engines whose lease expired
         (unregistered here: the runtime closes their channels and mappings)."""
-        self._now_ms = now_ms
+        self.disk.now_ms = now_ms
         expired: list[EngineId] = []
         for op in self.ops.expired(now_ms):
             ended = self.ops.end(op, "deadline exceeded")
@@ -806,7 +444,7 @@ class Depot:
                 self._op_ended(ended)
         for eng in list(self.engines.values()):
             for rid in [rid for rid, p in eng.pins.items() if p.deadline_ms <= now_ms]:
-                self._release_pin(eng, rid)
+                eng.release_pin(rid)
                 self.counters["pins_expired"] += 1
             if eng.lease_expires_ms <= now_ms:
                 self.counters["leases_expired"] += 1
@@ -837,67 +475,13 @@ class Depot:
         return dom.registry.state_of(h), dom.disk.state_of(h) if dom.disk is not None else None
 
     def stats(self) -> DepotStats:
-        pools: list[PoolStats] = []
-        ns_engines: Counter[str] = Counter()
-        ns_slots: Counter[str] = Counter()
-        ns_blocks: Counter[str] = Counter()
-        for e in self.engines.values():
-            ns_engines[e.namespace] += 1
-            ns_slots[e.namespace] += len(e.slots)
-        for dom in self.domains.values():
-            ns_blocks.update(dom.registry.owned)
-            for tier, reg in (("host", dom.registry), ("disk", dom.disk)):
-                if reg is not None:
-                    pool = reg.pool
-                    pools.append(PoolStats(dom.layout_class, tier, dom.block_bytes, pool.capacity_blocks, pool.num_used, reg.num_pinned, reg.num_storing))
-        return DepotStats(
-            engines=len(self.engines),
-            slots=sum(ns_slots.values()),
-            ops_in_flight=len(self.ops.ops),
-            pools=pools,
-            counters=self.all_counters(),
-            namespace_engines=dict(ns_engines),
-            namespace_slots=dict(ns_slots),
-            namespace_host_blocks=dict(ns_blocks),
-            host_bytes=self.host_arena.total_bytes,
-            disk_bytes=self.disk_arena.total_bytes,
-            disk_used_bytes=self.disk_arena.used_bytes,
-        )
+        return audit.stats(self.engines, self.domains, self.ops.ops, self.counters, self.host_arena, self.disk_arena)
 
     def all_counters(self) -> dict[str, int]:
-        out = {name: self.counters.get(name, 0) for name in COUNTERS}
-        out["evictions"] = sum(d.registry.evictions for d in self.domains.values())
-        out["disk_evictions"] = sum(d.disk.evictions for d in self.domains.values() if d.disk is not None)
-        return out
+        return audit.all_counters(self.counters, self.domains)
 
     def check_invariants(self) -> None:
-        for d in self.domains.values():
-            d.registry.check_invariants()
-            if d.disk is not None:
-                d.disk.check_invariants()
-        assert self.by_key == {(e.namespace, e.key): i for i, e in self.engines.items() if e.key}, "engine keys out of step"
-        host_pins: Counter[BlockHash] = Counter()
-        disk_pins: Counter[BlockHash] = Counter()
-        for eng in self.engines.values():
-            for p in eng.pins.values():
-                for h, on_disk in zip(p.hashes, p.on_disk):
-                    (disk_pins if on_disk else host_pins)[h] += 1
-            for slot in eng.slots.values():
-                for op_id in slot.ops:
-                    assert op_id in self.ops.ops, f"slot {slot.request_id} holds ended op {op_id}"
-        for op in self.ops.ops.values():
-            if op.kind is OpKind.LOAD:
-                host_pins.update(h for i, h, s in zip(op.block_indices, op.hashes, op.tier_slots) if s is not None and i not in op.staging)
-        for job in self.disk_jobs.values():
-            (host_pins if job.kind is DiskJobKind.WRITE else disk_pins).update(it.hash for it in job.items)
-        pins: Counter[BlockHash] = Counter()
-        dpins: Counter[BlockHash] = Counter()
-        for d in self.domains.values():
-            pins.update({h: e.pins for h, e in d.registry.entries.items() if e.pins})
-            if d.disk is not None:
-                dpins.update({h: e.pins for h, e in d.disk.entries.items() if e.pins})
-        assert pins == host_pins, "a host pin leaked or went missing"
-        assert dpins == disk_pins, "a disk pin leaked or went missing"
+        audit.check_invariants(self.engines, self.domains, self.by_key, self.ops.ops, [job for job, _ in self.disk.jobs.values()])
 
     # -- internals -------------------------------------------------------------------------------
     def engine(self, engine_id: EngineId) -> Engine:
@@ -924,158 +508,27 @@ class Depot:
             raise FailedPrecondition(f"layout class {layout_class} has {d.block_bytes}-byte blocks, not {block_bytes}")
         return d
 
-    def _release_pin(self, eng: Engine, rid: RequestId) -> None:
-        pin = eng.pins.pop(rid, None)
-        if pin is not None:
-            dom = eng.domain
-            for h, d in zip(pin.hashes, pin.on_disk):
-                (dom.disk if d else dom.registry).unpin(h)  # type: ignore[union-attr]
-
     # -- the disk tier ---------------------------------------------------------------------------------
     def restore_disk(self, layout_class: str, block_bytes: int, world_size: int, blocks: Sequence[tuple[int, int | None, int]]) -> bool:
         """Blocks (hash, parent, disk slot) a persistent disk tier still holds at start-up (all or none)."""
-        dom = self.domain_for(layout_class, block_bytes, world_size)
-        assert dom.disk is not None, "restore_disk without a disk tier"
-        return dom.disk.restore([(BlockHash(h), None if p is None else BlockHash(p), SlotId(s)) for h, p, s in blocks])
+        return self.disk.restore(self.domain_for(layout_class, block_bytes, world_size), blocks)
+
+    @property
+    def disk_jobs(self) -> int:
+        """Disk jobs handed out and not reported yet."""
+        return len(self.disk.jobs)
 
     def take_disk_jobs(self, now_ms: int, flush: bool = False) -> list[DiskJob]:
         """Disk jobs the storage should run now: staging reads planned by loads, and writes of
         admitted host blocks the policy lets go now (all of them when `flush`: a clean shutdown)."""
-        self._now_ms = now_ms
-        self._flush = flush
-        for dom in self.domains.values():
-            if dom.disk is not None and dom.demote:
-                self._dispatch_writes(dom)
-        ready, self._disk_ready = self._disk_ready, []
-        return ready
+        return self.disk.take_jobs(list(self.domains.values()), now_ms, flush)
 
     def take_disk_drops(self) -> list[tuple[str, BlockHash, SlotId]]:
-        out: list[tuple[str, BlockHash, SlotId]] = []
-        for dom in self.domains.values():
-            if dom.disk is not None and dom.disk.drops:
-                out += [(dom.layout_class, h, s) for h, s in dom.disk.drops]
-                dom.disk.drops.clear()
-        return out
+        return self.disk.take_drops(list(self.domains.values()))
 
     def disk_job_done(self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], message: str = "") -> None:
-        """The storage's report of one job: `failed` blocks were not moved, `corrupt` ones (a subset
-        or not) of a read had a bad header on disk (dropped from the disk tier). A write reads no
-        bytes for their checksums, so it has no corrupt blocks: a bad host copy fails its first read."""
-        job = self.disk_jobs.pop(job_id)
-        dom = job.domain
-        host, disk = dom.registry, dom.disk
-        assert disk is not None
-        bad_blocks = failed | corrupt
-        if job.kind is DiskJobKind.WRITE:
-            dom.writes_in_flight -= 1
-            for it in job.items:
-                ok = it.hash not in bad_blocks
-                host.unpin(it.hash)
-                disk.complete_store(it.hash, ok)
-                self.counters["disk_written_blocks" if ok else "disk_write_failed_blocks"] += 1
-            return
-        waiting: dict[OpId, Op] = {}
-        for it in job.items:
-            ok = it.hash not in bad_blocks
-            disk.unpin(it.hash)
-            if it.hash in corrupt:
-                disk.discard(it.hash)
-                self.counters["disk_checksum_failures"] += 1
-            host.complete_store(it.hash, ok)
-            self.counters["disk_read_blocks" if ok else "disk_read_failed_blocks"] += 1
-            for op, pos in self._staging.pop(it.hash):
-                op.staging.discard(op.block_indices[pos])
-                if op.op_id not in self.ops.ops:
-                    continue  # the load ended meanwhile: the block stays in the host tier, unpinned
-                waiting[op.op_id] = op
-                if ok:
-                    host.pin(it.hash)  # the load's pin, released when it ends
-                else:
-                    op.failed.add(op.block_indices[pos])
-                    op.tier_slots[pos] = None
-                    op.message = op.message or message or "disk read failed"
-        for op in waiting.values():
-            if not op.staging:
-                self._ready += self.ops.release(op)
-
-    def _disk_job(self, kind: DiskJobKind, dom: Domain, items: list[DiskItem]) -> None:
-        job = DiskJob(self._next_job, kind, dom, items)
-        self._next_job += 1
-        self.disk_jobs[job.job_id] = job
-        self._disk_ready.append(job)
-        if kind is DiskJobKind.WRITE:
-            dom.writes_in_flight += 1
-
-    def _dispatch_writes(self, dom: Domain) -> None:
-        host, disk = dom.registry, dom.disk
-        assert disk is not None
-        cfg = self.config
-        if cfg.disk_policy == "write-back" and not self._flush and host.pool.num_used < cfg.disk_watermark * host.pool.capacity_blocks:
-            return
-        while dom.demote and dom.writes_in_flight < cfg.disk_jobs_in_flight:
-            items: list[DiskItem] = []
-            while dom.demote and len(items) < cfg.disk_job_blocks:
-                h, _ = dom.demote.popitem(last=False)
-                e = host.state_of(h)
-                if e is None or e.status is not BlockStatus.RESIDENT or e.doomed:
-                    self.counters["disk_write_missed_blocks"] += 1  # evicted from the host tier before its turn
-                    continue
-                if disk.state_of(h) is not None:
-                    continue
-                dslot = disk.prepare_store(h, e.parent)
-                if dslot is None:  # the disk is full of pinned or in-flight blocks: try again later
-                    self.counters["disk_full"] += 1
-                    dom.demote[h] = None
-                    dom.demote.move_to_end(h, last=False)
-                    break
-                host.pin(h)
-                items.append(DiskItem(h, e.parent, e.slot, dslot))
-            if not items:
-                return
-            self._disk_job(DiskJobKind.WRITE, dom, items)
-            if len(items) < cfg.disk_job_blocks and dom.demote:
-                return  # stopped by a full disk
-
-    def _sighting(self, dom: Domain, h: BlockHash) -> None:
-        """A request carries block `h` (stored, already cached, or loaded): counts toward admission."""
-        n = self.config.disk_admit_after
-        if n <= 1 or dom.disk is None:
-            return
-        seen = dom.seen
-        rec = seen.get(h)
-        now = self._now_ms
-        if rec is None or now - rec[1] > self.config.disk_admit_window_ms:
-            rec = seen[h] = [0, now]
-        else:
-            seen.move_to_end(h)
-        rec[0] += 1
-        if len(seen) > SEEN_CAP:
-            seen.popitem(last=False)
-
-    def _consider(self, dom: Domain, h: BlockHash, stored: bool = False) -> None:
-        """Queues a host-resident block for the disk once admitted (counted as a rejection when a
-        store completes before the block is admitted)."""
-        disk = dom.disk
-        if disk is None or h in dom.demote or disk.state_of(h) is not None:
-            return
-        e = dom.registry.state_of(h)
-        if e is None or e.status is not BlockStatus.RESIDENT:
-            return
-        rec = dom.seen.get(h)
-        n = self.config.disk_admit_after
-        if n <= 1 or (rec is not None and rec[0] >= n and self._now_ms - rec[1] <= self.config.disk_admit_window_ms):
-            dom.demote[h] = None
-            self.counters["disk_admitted_blocks"] += 1
-            if len(dom.demote) > 2 * dom.registry.pool.capacity_blocks + 1024:
-                self._prune_demote(dom)
-        elif stored:
-            self.counters["disk_rejected_blocks"] += 1
-
-    def _prune_demote(self, dom: Domain) -> None:
-        host = dom.registry
-        before = len(dom.demote)
-        dom.demote = OrderedDict((h, None) for h in dom.demote if (e := host.state_of(h)) is not None and e.status is BlockStatus.RESIDENT)
-        self.counters["disk_write_missed_blocks"] += before - len(dom.demote)
+        """The storage's report of one job (DiskPlanner.job_done)."""
+        self._ready += self.disk.job_done(job_id, failed, corrupt, message)
 
     def _release_slot(self, eng: Engine, rid: RequestId) -> None:
         del eng.slots[rid]

@@ -1,7 +1,8 @@
 """Ops: one load or store of a set of blocks for one request, run on every rank of its engine.
 
 Primitives:
-    Op                        the record; `parts` are ranks still to run, `failed` block indices
+    Op                        the record; `parts_left` are ranks still to run, `failed` block indices
+    Part                      one op on one rank as a copy thread runs it: plain data (Depot.take_ready)
     OpTable.add(op) -> list[(op, rank)]       parts ready to run at once (loads; stores whose forward is done)
     OpTable.release(op) -> list[(op, rank)]   a held load whose disk blocks reached the host tier: all its parts
     OpTable.forward_done(engine, rank, step) -> list[(op, rank)]   store parts that may start now
@@ -21,7 +22,6 @@ from typing import NewType
 
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.pool import SlotId
-from kvdepotd.core.registry import BlockRegistry
 
 OpId = NewType("OpId", int)
 EngineId = NewType("EngineId", str)
@@ -46,7 +46,7 @@ class Op:
     step: int
     deadline_ms: int
     world_size: int
-    registry: BlockRegistry  # the tier registry its blocks live in (outlives the engine)
+    layout_class: str  # its blocks live in this layout class's tiers (which outlive the engine)
     epoch: int = 0  # the slot's device-state generation when planned (see Depot._bump_epoch)
     planned_ms: int = 0  # the clock of the Step that planned it
     parts_left: set[int] = field(default_factory=set)  # ranks not yet reported
@@ -67,6 +67,24 @@ class Op:
 
     def failed_block_ids(self) -> list[int]:
         return [b for i, b in zip(self.block_indices, self.block_ids) if i in self.failed]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One op on one rank, as the copy engine runs it: no core object goes to a copy thread. Its
+    cancellation (the op ended while it ran) is the runtime's flag, not a field here."""
+
+    op_id: OpId
+    kind: OpKind
+    engine_id: EngineId
+    rank: int
+    layout_class: str
+    step: int
+    check_late: bool
+    indices: tuple[int, ...]  # every block index of the op
+    work: tuple[tuple[int, int, SlotId, int], ...]  # to copy: (block index, engine block id, host slot, its byte offset in the host tier)
+    failed: tuple[int, ...]  # block indices that failed before any copy
+    message: str
 
 
 class OpTable:

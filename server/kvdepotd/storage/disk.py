@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdepotd.core.depot import DISK_ALIGN, DISK_HEADER_BYTES, DISK_MAX_RANKS, disk_record_bytes
+from kvdepotd.core.disk import DISK_ALIGN, DISK_HEADER_BYTES, DISK_MAX_RANKS, disk_record_bytes
 from kvdepotd.storage.checksum import xxh3_at, xxh3_bytes
 
 log = logging.getLogger("kvdepotd")

@@ -1,6 +1,7 @@
 """Copy engine contract.
 
-    submit(parts)   hands over op parts [(op, rank)] that may start now; returns at once
+    submit(parts)   hands over op parts (core.ops.Part, plain data) that may start now; returns at once
+    cancel(op_id)   the op ended (its deadline, its engine gone): its parts touch no more blocks
     on_done         the callback a result comes back through, on the event loop:
                     PartDone(op_id, rank, failed block indices, message, corrupt, copied)
     close()         finishes or fails what is running, within the drain grace
@@ -14,7 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvdepotd.core.ops import Op, OpId
+from kvdepotd.core.ops import OpId, Part
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,10 @@ class CopyEngine(ABC):
         self.on_done = on_done
 
     @abstractmethod
-    def submit(self, parts: list[tuple[Op, int]]) -> None: ...
+    def submit(self, parts: list[Part]) -> None: ...
+
+    def cancel(self, op_id: OpId) -> None:
+        return None
 
     async def close(self) -> None:
         return None

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvdepotd.core.depot import DiskJob, DiskJobKind
+from kvdepotd.core.disk import DiskJob, DiskJobKind
 from kvdepotd.storage.checksum import xxh3_at
 from kvdepotd.storage.disk import ClassStore, DiskStore
 from kvdepotd.storage.host_arena import HostArena
@@ -90,14 +90,12 @@ class DiskCopyEngine:
         self.on_done(job.job_id, failed, corrupt, message)
 
     def _class(self, job: DiskJob) -> ClassStore:
-        dom = job.domain
-        store = self.store.classes.get(dom.layout_class)
+        store = self.store.classes.get(job.layout_class)
         if store is None:
             with self._class_lock:
-                store = self.store.classes.get(dom.layout_class)
+                store = self.store.classes.get(job.layout_class)
                 if store is None:
-                    assert dom.disk is not None
-                    store = self.store.new_class(dom.layout_class, dom.block_bytes, dom.world_size, dom.disk.pool.blocks_per_slab)
+                    store = self.store.new_class(job.layout_class, job.block_bytes, job.world_size, job.disk_blocks_per_slab)
         return store
 
     # -- the jobs (disk threads) ------------------------------------------------------------------
@@ -109,12 +107,11 @@ class DiskCopyEngine:
     def _write(self, job: DiskJob) -> Result:
         t0 = time.perf_counter()
         store = self._class(job)
-        dom = job.domain
-        pool, arena = dom.registry.pool, self.arena
-        rb, cls = store.rank_bytes, dom.layout_class
+        arena = self.arena
+        rb, cls = store.rank_bytes, job.layout_class
         blocks = []
         for it in job.items:
-            addr = arena.base + pool.byte_offset(it.host_slot)
+            addr = arena.base + it.host_offset
             sums = [arena.checksums.get((cls, it.host_slot, r)) for r in range(store.world_size)]
             # Every host block has its checksums (its store or its disk read took them); one without
             # would be hashed here rather than written unchecked.
@@ -128,9 +125,7 @@ class DiskCopyEngine:
         t0 = time.perf_counter()
         try:
             store = self._class(job)
-            dom = job.domain
-            pool = dom.registry.pool
-            failed, got = store.read_raw([(it.disk_slot, it.hash, self.arena.base + pool.byte_offset(it.host_slot)) for it in job.items])
+            failed, got = store.read_raw([(it.disk_slot, it.hash, self.arena.base + it.host_offset) for it in job.items])
         except Exception as e:  # reported through the same path as a failing check
             fut: Future[Result] = Future()
             fut.set_exception(e)
@@ -139,7 +134,7 @@ class DiskCopyEngine:
         self._pool.submit(self._check, job, store, failed, got, t0).add_done_callback(finished)
 
     def _check(self, job: DiskJob, store: ClassStore, failed: set[int], got: list[tuple[int, int, int, bytes]], t0: float) -> Result:
-        arena, cls = self.arena, job.domain.layout_class
+        arena, cls = self.arena, job.layout_class
         corrupt, sums = store.check(got, data=False)
         if corrupt:
             store.flush_removes()

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvdepot.layout import KvLayout
-from kvdepotd.core.ops import Op, OpKind
+from kvdepotd.core.ops import OpId, OpKind, Part
 from kvdepotd.core.pool import SlotId
 from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
 from kvdepotd.storage.host_arena import HostArena
@@ -51,7 +51,7 @@ from kvdepotd.transfer.mapping import RankMapping
 
 log = logging.getLogger("kvdepotd")
 _memmove = ctypes.memmove
-Work = list[tuple[int, int, SlotId]]  # (block index, engine block id, host slot)
+Work = tuple[tuple[int, int, SlotId, int], ...]  # (block index, engine block id, host slot, its byte offset in the arena)
 GRAIN_BYTES = 8 << 20  # what a copy thread takes from a part at a time (a few ms of copying)
 MAX_GRAIN_BLOCKS = 64
 
@@ -74,8 +74,7 @@ class Faults:
 
 @dataclass
 class _Part:
-    op: Op
-    rank: int
+    plan: Part
     mapping: RankMapping
     layout: KvLayout
     work: Work
@@ -83,6 +82,7 @@ class _Part:
     queued_at: float = field(default_factory=time.monotonic)
     started_at: float = 0.0  # when a copy thread took its first blocks
     taken: int = 0  # work[:taken] has been handed to threads (in the current pass)
+    cancelled: bool = False  # the op ended (set on the event loop, read by the copy threads)
     running: int = 0  # batches being copied now
     checking: bool = False  # a late-checked load in its second pass (its bytes are in the engine)
     failed: list[int] = field(default_factory=list)
@@ -116,6 +116,7 @@ class HostCopyEngine(CopyEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._events: dict[tuple[str, int], tuple[int, bytes]] = {}  # (engine, rank) -> last (step, CUDA event handle)
+        self._live: dict[OpId, list[_Part]] = {}  # parts queued or copying, by op (the event loop's)
 
     # -- engines and their tensors --------------------------------------------------------------
     def add_engine(self, engine_id: str, layout: KvLayout) -> None:
@@ -129,7 +130,12 @@ class HostCopyEngine(CopyEngine):
         return sum(m.mapped_bytes for m in self.mappings.values())
 
     def forget_engine(self, engine_id: str) -> None:
-        """Unmaps the engine's tensors (running copies keep theirs alive until they end)."""
+        """Unmaps the engine's tensors (running copies keep theirs alive until they end) and cancels
+        its parts."""
+        for parts in self._live.values():
+            for p in parts:
+                if p.plan.engine_id == engine_id:
+                    p.cancelled = True
         self.layouts.pop(engine_id, None)
         for key in [k for k in self.mappings if k[0] == engine_id]:
             del self.mappings[key]
@@ -143,35 +149,37 @@ class HostCopyEngine(CopyEngine):
             self._events[(engine_id, rank)] = (step, handle)
 
     # -- parts ------------------------------------------------------------------------------------
-    def submit(self, parts: list[tuple[Op, int]]) -> None:
+    def submit(self, parts: list[Part]) -> None:
         now: list[PartDone] = []
-        for op, rank in parts:
-            layout = self.layouts.get(op.engine_id)
+        for p in parts:
+            layout = self.layouts.get(p.engine_id)
             if layout is None or layout.kind == "none":
-                now.append(PartDone(op.op_id, rank, sorted(op.failed), op.message))
+                now.append(PartDone(p.op_id, p.rank, list(p.failed), p.message))
                 continue
-            mapping = self.mappings.get((op.engine_id, rank))
+            mapping = self.mappings.get((p.engine_id, p.rank))
             if mapping is None:
-                now.append(PartDone(op.op_id, rank, list(op.block_indices), f"rank {rank} has not registered its KV caches"))
+                now.append(PartDone(p.op_id, p.rank, list(p.indices), f"rank {p.rank} has not registered its KV caches"))
                 continue
-            self._start(op, rank, mapping, layout)
+            self._start(p, mapping, layout)
         if now:
             self.on_done(now)
 
-    def _start(self, op: Op, rank: int, mapping: RankMapping, layout: KvLayout) -> None:
+    def cancel(self, op_id: OpId) -> None:
+        for p in self._live.get(op_id, ()):
+            p.cancelled = True
+
+    def _start(self, plan: Part, mapping: RankMapping, layout: KvLayout) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         if self._closing:
-            self.on_done([PartDone(op.op_id, rank, list(op.block_indices), "the daemon is shutting down")])
+            self.on_done([PartDone(plan.op_id, plan.rank, list(plan.indices), "the daemon is shutting down")])
             return
-        work: Work = [
-            (i, bid, slot) for i, bid, slot in zip(op.block_indices, op.block_ids, op.tier_slots) if slot is not None and i not in op.failed
-        ]
-        if not work:
-            self.on_done([PartDone(op.op_id, rank, sorted(op.failed), op.message)])
+        if not plan.work:
+            self.on_done([PartDone(plan.op_id, plan.rank, list(plan.failed), plan.message)])
             return
-        part = _Part(op, rank, mapping, layout, work, self._forward_event(op, rank), failed=sorted(op.failed), message=op.message)
-        queue, kind = (self._loads, "load") if op.kind is OpKind.LOAD else (self._stores, "store")
+        part = _Part(plan, mapping, layout, plan.work, self._forward_event(plan), failed=list(plan.failed), message=plan.message)
+        self._live.setdefault(plan.op_id, []).append(part)
+        queue, kind = (self._loads, "load") if plan.kind is OpKind.LOAD else (self._stores, "store")
         with self._cond:
             queue.append(part)
             started = sum(t.name.startswith(f"kvdepot-{kind}_") for t in self._workers)
@@ -217,8 +225,8 @@ class HostCopyEngine(CopyEngine):
             try:
                 failed, corrupt, message = self._copy(part, batch, first)
             except Exception as e:  # a bug in a copy: its blocks fail, the daemon serves on
-                log.exception("copy of op %d failed", part.op.op_id)
-                failed, corrupt, message = [i for i, _, _ in batch], [], f"copy failed: {e}"
+                log.exception("copy of op %d failed", part.plan.op_id)
+                failed, corrupt, message = [w[0] for w in batch], [], f"copy failed: {e}"
             assert self._loop is not None
             with self._cond:
                 part.failed += failed
@@ -228,14 +236,14 @@ class HostCopyEngine(CopyEngine):
                 if part.running or part.taken < len(part.work):
                     continue
                 rung = part.checking  # a late-checked load in its check pass rang when its copy pass ended
-                late = part.op.check_late and not part.checking
+                late = part.plan.check_late and not part.checking
                 check_next = late and part.mapping.packed is None  # copied: the engine may go on; now check
                 if check_next:
                     part.checking, part.taken = True, 0
                     self._loads.append(part)
                     self._cond.notify_all()
-            if part.op.kind is OpKind.LOAD and not rung:  # straight to the worker, ahead of the event loop's report
-                part.mapping.ring(part.op.op_id, intact=not (check_next or part.failed or part.corrupt))
+            if part.plan.kind is OpKind.LOAD and not rung:  # straight to the worker, ahead of the event loop's report
+                part.mapping.ring(part.plan.op_id, intact=not (check_next or part.failed or part.corrupt))
             if late:
                 self._loop.call_soon_threadsafe(self._part_copied, part)
             if not check_next:
@@ -243,52 +251,58 @@ class HostCopyEngine(CopyEngine):
 
     def _part_copied(self, part: _Part) -> None:
         if self.on_copied is not None:
-            self.on_copied(part.op.op_id, part.rank)
+            self.on_copied(part.plan.op_id, part.plan.rank)
 
     def _part_done(self, part: _Part) -> None:
         now = time.monotonic()
+        plan = part.plan
+        live = self._live.get(plan.op_id)
+        if live is not None:
+            live.remove(part)
+            if not live:
+                del self._live[plan.op_id]
         bad = {*part.failed, *part.corrupt}
-        nbytes = part.layout.rank_block_bytes * sum(1 for i, _, _ in part.work if i not in bad)
-        kind = "load" if part.op.kind is OpKind.LOAD else "store"
+        nbytes = part.layout.rank_block_bytes * sum(1 for w in part.work if w[0] not in bad)
+        kind = "load" if plan.kind is OpKind.LOAD else "store"
         copied = Copied(kind, nbytes, part.started_at - part.queued_at, now - part.started_at)
-        self.on_done([PartDone(part.op.op_id, part.rank, part.failed, part.message, part.corrupt, copied)])
+        self.on_done([PartDone(plan.op_id, plan.rank, part.failed, part.message, part.corrupt, copied)])
 
     # -- the copies (worker threads) ------------------------------------------------------------------
-    def _forward_event(self, op: Op, rank: int) -> bytes | None:
+    def _forward_event(self, plan: Part) -> bytes | None:
         """The handle of the event a GPU store must wait on: the one reported for its step or later."""
-        if op.kind is not OpKind.STORE:
+        if plan.kind is not OpKind.STORE:
             return None
-        got = self._events.get((op.engine_id, rank))
-        return got[1] if got is not None and got[0] >= op.step else None
+        got = self._events.get((plan.engine_id, plan.rank))
+        return got[1] if got is not None and got[0] >= plan.step else None
 
     def _copy(self, part: _Part, work: Work, first: bool) -> tuple[list[int], list[int], str]:
         """Copies (and checks) `work` of a part. A late-checked load runs in two passes over its
         blocks, one that only copies (`part.checking` False), then one that only checks, unless
         the native copy checks it on the way."""
-        op, m, rank = part.op, part.mapping, part.rank
+        plan, m, rank = part.plan, part.mapping, part.plan.rank
         if part.event is not None and m.device != "cpu":  # the forward may still be running on the GPU
             self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), part.event))
-        store = op.kind is OpKind.STORE
+        store = plan.kind is OpKind.STORE
         copy = store or not part.checking
-        check = not store and (part.checking or not op.check_late or m.packed is not None)
+        check = not store and (part.checking or not plan.check_late or m.packed is not None)
         failed: list[int] = []
         corrupt: list[int] = []
         message = ""
         rank_bytes = part.layout.rank_block_bytes
         rank_off = rank * rank_bytes
         cls = part.layout.layout_class
-        arena, pool, faults = self.arena, op.registry.pool, self.faults
+        arena, faults = self.arena, self.faults
         if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
-        for k, (i, bid, slot) in enumerate(work):
-            if rank not in op.parts_left:  # the op ended (its deadline passed): touch no more engine blocks
-                failed += [j for j, _, _ in work[k:]]
+        for k, (i, bid, slot, offset) in enumerate(work):
+            if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
+                failed += [w[0] for w in work[k:]]
                 break
             if bid >= m.num_blocks:
                 failed.append(i)
                 message = message or f"engine block {bid} is outside the {m.num_blocks} registered blocks"
                 continue
-            hoff = pool.byte_offset(slot) + rank_off
+            hoff = offset + rank_off
             key = (cls, slot, rank)
             if store:
                 got = self._move(m, bid, hoff, rank_bytes, to_host=True, want_hash=True)

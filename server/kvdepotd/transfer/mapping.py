@@ -23,12 +23,57 @@ from dataclasses import dataclass
 import torch
 
 from kvdepot.layout import KvLayout, TensorMeta, block_regions
-from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
 from kvdepotd.transfer import blockcopy
 
 SHM_DIR = "/dev/shm"
 MAX_TENSORS = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class ShmStorage:
+    """CPU memory: a file under /dev/shm by path, or a memfd handed over (handoff_id)."""
+
+    path: str
+    handoff_id: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class CudaStorage:
+    """torch's CUDA storage sharing fields (UntypedStorage._share_cuda_())."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One KV tensor as a view into a storage (several layers may share one)."""
+
+    name: str
+    storage: int
+    storage_offset: int  # in elements
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a worker registers for its rank (RegisterKvCaches, as kvdepotd.convert reads it)."""
+
+    rank: int
+    num_blocks: int
+    storages: list[ShmStorage | CudaStorage | None]  # None: a storage without a handle
+    tensors: list[TensorSpec]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +129,7 @@ class RankMapping:
         return self.storage_bytes[storage].as_strided((nruns, nbytes), (gap, 1), first + bid * block_stride)
 
 
-def _open_cpu_shm(h: pb.CpuShmHandle, fds: Mapping[str, int]) -> tuple[torch.UntypedStorage, int]:
+def _open_cpu_shm(h: ShmStorage, fds: Mapping[str, int]) -> tuple[torch.UntypedStorage, int]:
     """The mapped file and the address where the storage starts in it."""
     if h.handoff_id:
         return _open_handed(h, fds[h.handoff_id])
@@ -109,7 +154,7 @@ def _open_cpu_shm(h: pb.CpuShmHandle, fds: Mapping[str, int]) -> tuple[torch.Unt
     return storage, storage.data_ptr() + h.offset
 
 
-def _open_handed(h: pb.CpuShmHandle, fd: int) -> tuple[torch.UntypedStorage, int]:
+def _open_handed(h: ShmStorage, fd: int) -> tuple[torch.UntypedStorage, int]:
     """A memfd the worker handed over (kvdepotd.handoff checked its seal): mapped as it is."""
     size = os.fstat(fd).st_size
     if h.size == 0 or h.offset + h.size > size:
@@ -122,7 +167,7 @@ def _open_handed(h: pb.CpuShmHandle, fd: int) -> tuple[torch.UntypedStorage, int
     return storage, storage.data_ptr() + h.offset
 
 
-def _open_cuda_ipc(h: pb.CudaIpcHandle) -> tuple[torch.UntypedStorage, int]:
+def _open_cuda_ipc(h: CudaStorage) -> tuple[torch.UntypedStorage, int]:
     if not torch.cuda.is_available():
         raise FailedPrecondition("this daemon has no CUDA device: it cannot map cuda_ipc handles")
     if h.device >= torch.cuda.device_count():
@@ -136,7 +181,7 @@ def _open_cuda_ipc(h: pb.CudaIpcHandle) -> tuple[torch.UntypedStorage, int]:
         raise InvalidRequest(f"cuda_ipc handle does not open: {e}") from None
 
 
-def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest, fds: Mapping[str, int] | None = None) -> RankMapping:
+def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, int] | None = None) -> RankMapping:
     """`fds`: the descriptors of the handoff ids the request names (the caller claimed and closes them)."""
     fds = fds or {}
     if layout.kind == "none":
@@ -151,22 +196,22 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest, 
             raise InvalidRequest(f"tensor {i} ({t.name}) is {t.dtype!r}, the engine's layout says {layout.dtype!r}")
         if t.storage >= len(req.storages):
             raise InvalidRequest(f"tensor {i} ({t.name}) names storage {t.storage} of {len(req.storages)}")
-        metas.append(TensorMeta(tuple(t.shape), tuple(t.stride), t.storage_offset))
+        metas.append(TensorMeta(t.shape, t.stride, t.storage_offset))
     try:
         regions = block_regions(layout, metas, req.num_blocks)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
-    sizes = [s.cpu_shm.size if s.WhichOneof("handle") == "cpu_shm" else s.cuda_ipc.size for s in req.storages]
-    kinds = {s.WhichOneof("handle") for s in req.storages}
-    if None in kinds or len(kinds) != 1:
+    kinds = {type(s) for s in req.storages}
+    if type(None) in kinds or len(kinds) != 1:
         raise InvalidRequest("every storage needs a handle, and all of one kind (cpu_shm or cuda_ipc)")
+    sizes = [s.size for s in req.storages if s is not None]
     esize = layout.dtype_bytes
     for r in regions:  # every byte the copy engine may touch must lie inside its storage
         t = req.tensors[r.tensor]
         last = (t.storage_offset + r.offset + (req.num_blocks - 1) * r.block_stride + r.length) * esize
         if last > sizes[t.storage]:
             raise InvalidRequest(f"tensor {r.tensor} ({t.name}) reaches byte {last}, past its {sizes[t.storage]}-byte storage")
-    opened = [_open_cpu_shm(s.cpu_shm, fds) if s.WhichOneof("handle") == "cpu_shm" else _open_cuda_ipc(s.cuda_ipc) for s in req.storages]
+    opened = [_open_cpu_shm(s, fds) if isinstance(s, ShmStorage) else _open_cuda_ipc(s) for s in req.storages if s is not None]
     runs: list[Run] = []
     host_off = 0
     for r in regions:
@@ -175,7 +220,8 @@ def map_rank(engine_id: str, layout: KvLayout, req: pb.RegisterKvCachesRequest, 
         base = start + (t.storage_offset + r.offset) * esize
         runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - storage.data_ptr()))
         host_off += r.length * esize
-    device = "cpu" if "cpu_shm" in kinds else f"cuda:{req.storages[0].cuda_ipc.device}"
+    first = req.storages[0]
+    device = f"cuda:{first.device}" if isinstance(first, CudaStorage) else "cpu"
     storage_bytes = [
         torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
         for storage, _ in opened

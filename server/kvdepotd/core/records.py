@@ -1,0 +1,165 @@
+"""The core's plain records: its configuration, engines, lookups' pins and answers, step plans,
+the events the workers must hear of, and the statistics the edges export. The Depot (depot.py) and
+the planners (plan.py, disk.py) change them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvdepot.hashing import BlockHash, salt_hash, scope_seed
+from kvdepot.layout import KvLayout
+from kvdepotd.core.disk import Domain
+from kvdepotd.core.ops import EngineId, Op, OpId, RequestId
+from kvdepotd.core.slots import Slot, UpdateStyle
+
+MAX_LEASE_MS = 3_600_000
+# Every counter the core keeps (exported as kvdepot_<name>_total, at 0 until it first moves).
+COUNTERS = (
+    "engines_registered", "engines_unregistered", "leases_expired",
+    "lookups", "lookup_hit_tokens", "pins_expired",
+    "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
+    "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks", "store_blocks_cancelled",
+    "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
+    "ops_expired", "cleared_blocks", "evictions",
+    "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
+    "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
+    "disk_full", "disk_evictions", "disk_write_missed_blocks",
+)
+@dataclass(frozen=True, slots=True)
+class DepotConfig:
+    host_bytes: int
+    slab_bytes: int = 64 << 20
+    lease_ms: int = 30_000
+    pin_ms: int = 30_000
+    max_pin_ms: int = 600_000
+    op_timeout_ms: int = 30_000
+    max_tokens: int = 1 << 21
+    step_cache: int = 16
+    eviction_policy: str = "leaf-lru"
+    disk_bytes: int = 0
+    disk_slab_bytes: int = 256 << 20
+    disk_policy: str = "write-back"
+    disk_admit_after: int = 2
+    disk_admit_window_ms: int = 600_000
+    disk_watermark: float = 0.8  # write-back: host pool fraction past which admitted blocks are written
+    disk_job_blocks: int = 32
+    disk_jobs_in_flight: int = 4  # write jobs per layout class
+    # reclaim() keeps this many host slots of each layout class free: 1/64 of the pool, at most 256
+    # (a few steps' worth of stores), so eviction leaves the Step path at the cost of that margin.
+    free_reserve_fraction: float = 1 / 64
+    free_reserve_max: int = 256
+    namespace_host_share: float = 1.0  # < 1: most of a host pool one namespace may hold (BlockRegistry owner_share)
+    # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
+    # daemon's op 7 would take the new daemon's op 7 as done. The service starts them from the clock.
+    first_op_id: int = 1
+
+
+@dataclass(slots=True)
+class LookupPin:
+    hashes: list[BlockHash]
+    deadline_ms: int
+    on_disk: list[bool]  # per hash: pinned in the disk tier (else the host tier)
+    # The hash chain the lookup computed from block 0 (over `tokens`, with `seed`): the request's
+    # first Step reuses it when it carries the same tokens, instead of hashing the prompt again.
+    tokens: bytes = b""
+    seed: int = 0
+    chain: list[BlockHash] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    matched_tokens: int
+    host_tokens: int
+    disk_tokens: int
+    pin_deadline_ms: int
+    total_blocks: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step: int
+    ops: list[Op] = field(default_factory=list)
+    delay_free: list[RequestId] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class OpCompleted:
+    engine_id: EngineId
+    op: Op
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReleased:
+    engine_id: EngineId
+    request_id: RequestId
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCopied:
+    """A check_late load's bytes are in the engine's blocks on every rank (its OpCompleted follows)."""
+
+    engine_id: EngineId
+    op_id: OpId
+
+
+Event = OpCompleted | RequestReleased | LoadCopied
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    layout_class: str
+    tier: str  # "host" or "disk"
+    block_bytes: int  # of the layout class (a disk record adds its header and padding)
+    capacity_blocks: int
+    used_blocks: int
+    pinned_blocks: int
+    in_flight_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class DepotStats:
+    """What GetStats and the metrics export, read in one walk (Depot.stats)."""
+
+    engines: int
+    slots: int
+    ops_in_flight: int
+    pools: list[PoolStats]
+    counters: dict[str, int]
+    namespace_engines: dict[str, int]
+    namespace_slots: dict[str, int]
+    namespace_host_blocks: dict[str, int]  # host-tier blocks each namespace holds, all layout classes
+    host_bytes: int
+    disk_bytes: int
+    disk_used_bytes: int
+
+
+@dataclass(slots=True)
+class Engine:
+    engine_id: EngineId
+    name: str
+    model: str
+    layout: KvLayout
+    namespace: str
+    style: UpdateStyle
+    lease_ms: int
+    lease_expires_ms: int
+    domain: Domain
+    key: str = ""
+    late_load_checks: bool = False  # its loads report LoadCopied before their checksums are checked
+    slots: dict[RequestId, Slot] = field(default_factory=dict)
+    pins: dict[RequestId, LookupPin] = field(default_factory=dict)
+    last_step: int = -1
+    responses: OrderedDict[int, StepPlan] = field(default_factory=OrderedDict)
+
+    def seed(self, cache_salt: str, lora_name: str) -> int:
+        return scope_seed(salt_hash(cache_salt, lora_name), self.namespace, self.model)
+
+    def release_pin(self, rid: RequestId) -> None:
+        """Unpins what the request's lookup pinned (no-op without a pin)."""
+        pin = self.pins.pop(rid, None)
+        if pin is not None:
+            dom = self.domain
+            for h, d in zip(pin.hashes, pin.on_disk):
+                (dom.disk if d else dom.registry).unpin(h)  # type: ignore[union-attr]
