@@ -1,6 +1,8 @@
 """kvdepot: the engine-side client of the kvdepotd KV-cache block manager."""
 
-from kvdepot.client import DEFAULT_ADDRESS, AsyncDepotClient, DepotClient, WorkerLink
+from kvdepot.aio import AsyncDepotClient
+from kvdepot.client import DEFAULT_ADDRESS, DepotClient
+from kvdepot.worker import WorkerLink
 from kvdepot.auth import read_token
 from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, Unauthenticated, Unavailable
 from kvdepot.hashing import BlockHash, block_hashes, salt_hash
