@@ -17,7 +17,7 @@ from vllm.v1.request import RequestStatus
 from kvdepot import DepotClient
 from kvdepot.testing import DaemonProcess
 from kvdepot.vllm.config import ConnectorConfig
-from kvdepot.vllm.connector import _Req, _Scheduler
+from kvdepot.vllm.scheduler import ReqState, SchedulerSide
 from tests.vllm.engine import BATCH, BLOCK, P, Q, connector_of, engine_args, generate, kv_config, reset
 
 pytestmark = pytest.mark.vllm
@@ -81,9 +81,9 @@ def test_cold_then_reset_is_served_by_the_daemon(daemon: DaemonProcess, llm: LLM
 def test_request_finished_decides_without_a_round_trip(status: RequestStatus, kinds: list[str], delayed: bool) -> None:
     """request_finished is on the path of every request's output: it decides from the kinds of the
     request's open ops, and the next Step's answer says whether the daemon still holds it."""
-    sched = _Scheduler(ConnectorConfig(), None, "model", "key")
+    sched = SchedulerSide(ConnectorConfig(), None, "model", "key")
     sched.client = SimpleNamespace(epoch=3)  # type: ignore[assignment]  # any call to the daemon would raise
-    sched.reqs["r"] = _Req(request=None, epoch=3, open_ops=dict(enumerate(kinds)))
+    sched.reqs["r"] = ReqState(request=None, epoch=3, open_ops=dict(enumerate(kinds)))
     assert sched.finished(SimpleNamespace(request_id="r", status=status)) is delayed  # type: ignore[arg-type]
     assert ("r" in sched.delayed) is delayed
     assert sched.to_finish == ["r"]  # the daemon hears of the finish either way
