@@ -146,9 +146,9 @@ def recover_disk(depot: Depot, store: DiskStore) -> Recovery:
         except (KeyError, TypeError, ValueError):
             log.warning("disk tier: ignoring a class directory with unreadable metadata: %r", meta)
             continue
-        arena = depot.disk_arena
-        per_slab, slab_bytes = arena.slab_size_for(disk_record_bytes(block_bytes))
-        got = store.recover(cls, block_bytes, world_size, per_slab, arena.free_bytes // slab_bytes)
+        budget = depot.disk_budget
+        per_slab, slab_bytes = budget.slab_size_for(disk_record_bytes(block_bytes))
+        got = store.recover(cls, block_bytes, world_size, per_slab, budget.free_bytes // slab_bytes)
         if not depot.restore_disk(cls, block_bytes, world_size, got.blocks):  # cannot happen after recover()'s checks
             got.dropped["could not be restored"] = len(got.blocks)
             for h, _, slot in got.blocks:

@@ -59,7 +59,7 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
         # Flip one byte of block 1 in the host tier.
         reg = depot.engines[E].domain.registry
         h1 = depot.slot(E, RequestId("a")).hashes[1]
-        off = reg.pool.byte_offset(reg.entries[h1].slot) + 100
+        off = reg.pool.byte_offset(reg.entries[h1].cell) + 100
         arena.tensor[off] ^= 0xFF
         res = depot.lookup(E, RequestId("b"), tokens_to_bytes(toks), cache_salt="", lora_name="", device_matched_tokens=0, pin_ms=0, now_ms=0)
         assert res.matched_tokens == 32
@@ -181,7 +181,7 @@ def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> 
         await run_ops(depot, copy)
         reg = depot.engines[E].domain.registry
         h1 = depot.slot(E, RequestId("a")).hashes[1]
-        arena.tensor[reg.pool.byte_offset(reg.entries[h1].slot) + 100] ^= 0xFF
+        arena.tensor[reg.pool.byte_offset(reg.entries[h1].cell) + 100] ^= 0xFF
         assert depot.lookup(E, RequestId("b"), tokens_to_bytes(toks), cache_salt="", lora_name="", device_matched_tokens=0, pin_ms=0, now_ms=0).matched_tokens == 32
         kv.poison([4, 5])
         seen.clear()

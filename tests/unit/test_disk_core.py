@@ -232,7 +232,7 @@ def test_restored_blocks_are_hits_in_a_fresh_depot() -> None:
     toks = prompt(100)
     sim.prefill_and_store("a", toks)
     jobs = run_disk(sim)
-    saved = [(it.hash, it.parent, it.disk_slot) for j in jobs for it in j.items]
+    saved = [(it.hash, it.parent, it.disk_cell) for j in jobs for it in j.items]
     fresh = disk_sim()
     fresh_depot = fresh.depot
     assert fresh_depot.restore_disk(layout().layout_class, BLOCK, 1, saved)

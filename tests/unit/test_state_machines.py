@@ -15,7 +15,7 @@ from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted, RequestReleased
 from kvdepotd.core.disk import DiskJob, disk_record_bytes
 from kvdepotd.core.errors import DepotError, FailedPrecondition
 from kvdepotd.core.ops import OpKind
-from kvdepotd.core.pool import BlockPool, SlabArena
+from kvdepotd.core.pool import BlockPool, SlabBudget
 from kvdepotd.core.registry import BlockRegistry, BlockStatus
 from kvdepotd.core.slots import UpdateStyle
 from tests.unit.sim import BS, Sim, layout, prompt
@@ -26,7 +26,7 @@ HASHES = st.integers(min_value=1, max_value=24).map(BlockHash)
 class RegistryMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.reg = BlockRegistry(BlockPool("c", 100, SlabArena(total_bytes=800, slab_bytes=300)))
+        self.reg = BlockRegistry(BlockPool("c", 100, SlabBudget(total_bytes=800, slab_bytes=300)))
         self.pins: dict[BlockHash, int] = {}
 
     @rule(h=HASHES, parent=st.none() | HASHES)
@@ -75,7 +75,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         self.reg.check_invariants()
         pool = self.reg.pool
-        assert pool.num_free + pool.num_used == pool.num_slots <= 8
+        assert pool.num_free + pool.num_used == pool.num_cells <= 8
         for h, n in self.pins.items():
             if n:
                 assert self.reg.entries[h].pins == n
@@ -91,7 +91,7 @@ class SharedRegistryMachine(RegistryMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.reg = BlockRegistry(BlockPool("c", 100, SlabArena(total_bytes=800, slab_bytes=300)), owner_share=0.5)
+        self.reg = BlockRegistry(BlockPool("c", 100, SlabBudget(total_bytes=800, slab_bytes=300)), owner_share=0.5)
         assert self.reg.owner_limit == 3
 
     @rule(h=HASHES, parent=st.none() | HASHES)
@@ -308,7 +308,7 @@ TestDiskDepot.settings = settings(max_examples=120, stateful_step_count=50, dead
 def test_owner_heaps_do_not_grow_with_touches() -> None:
     """Every touch offers a block again; the stale offers of an owner's heap are pruned as the global
     heap's are compacted, so a long-running daemon's heaps stay near the number of blocks."""
-    reg = BlockRegistry(BlockPool("c", 100, SlabArena(total_bytes=800, slab_bytes=300)), owner_share=0.5)
+    reg = BlockRegistry(BlockPool("c", 100, SlabBudget(total_bytes=800, slab_bytes=300)), owner_share=0.5)
     for h in (1, 2, 3):
         assert reg.prepare_store(BlockHash(h), None, "a") is not None
         reg.complete_store(BlockHash(h), True)

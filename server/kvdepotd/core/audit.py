@@ -16,14 +16,14 @@ from collections.abc import Iterable, Mapping
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.disk import DiskJob, DiskJobKind, Domain
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind
-from kvdepotd.core.pool import SlabArena
+from kvdepotd.core.pool import SlabBudget
 from kvdepotd.core.records import COUNTERS, DepotStats, Engine, PoolStats
 
 Engines = Mapping[EngineId, Engine]
 Domains = Mapping[str, Domain]
 
 
-def stats(engines: Engines, domains: Domains, ops: Mapping[OpId, Op], counters: Mapping[str, int], host: SlabArena, disk: SlabArena) -> DepotStats:
+def stats(engines: Engines, domains: Domains, ops: Mapping[OpId, Op], counters: Mapping[str, int], host: SlabBudget, disk: SlabBudget) -> DepotStats:
     """One walk over the state for GetStats and the metrics."""
     pools: list[PoolStats] = []
     ns_engines: Counter[str] = Counter()
@@ -80,7 +80,7 @@ def check_invariants(
                 assert op_id in ops, f"slot {slot.request_id} holds ended op {op_id}"
     for op in ops.values():
         if op.kind is OpKind.LOAD:
-            host_pins.update(h for i, h, s in zip(op.block_indices, op.hashes, op.tier_slots) if s is not None and i not in op.staging)
+            host_pins.update(h for i, h, s in zip(op.block_indices, op.hashes, op.tier_cells) if s is not None and i not in op.staging)
     for job in disk_jobs:
         (host_pins if job.kind is DiskJobKind.WRITE else disk_pins).update(it.hash for it in job.items)
     pins: Counter[BlockHash] = Counter()

@@ -35,7 +35,7 @@ from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest,
 from kvdepotd.core.lookup import match
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
 from kvdepotd.core.plan import OpPlanner
-from kvdepotd.core.pool import BlockPool, SlabArena, SlotId
+from kvdepotd.core.pool import BlockPool, SlabBudget, CellId
 from kvdepotd.core.records import (
     MAX_LEASE_MS,
     DepotConfig,
@@ -63,8 +63,8 @@ class Depot:
     def __init__(self, config: DepotConfig) -> None:
         self.config = config
         make_eviction_policy(config.eviction_policy)  # fail early on an unknown name
-        self.host_arena = SlabArena(config.host_bytes, config.slab_bytes)
-        self.disk_arena = SlabArena(config.disk_bytes, config.disk_slab_bytes)
+        self.host_budget = SlabBudget(config.host_bytes, config.slab_bytes)
+        self.disk_budget = SlabBudget(config.disk_bytes, config.disk_slab_bytes)
         self.domains: dict[str, Domain] = {}
         self.engines: dict[EngineId, Engine] = {}
         self.by_key: dict[tuple[str, str], EngineId] = {}  # (namespace, engine key): keys are a namespace's own
@@ -362,7 +362,7 @@ class Depot:
 
     def reclaim(self) -> int:
         """Evicts host blocks (prefix-aware, LRU, as a store would) until each host pool has its
-        reserve of free slots or nothing more is evictable; returns how many it evicted."""
+        reserve of free cells or nothing more is evictable; returns how many it evicted."""
         cfg = self.config
         evicted = 0
         for dom in self.domains.values():
@@ -375,7 +375,7 @@ class Depot:
     def take_ready(self) -> list[Part]:
         """Op parts the copy engine should run now, as plain data (see ops.Part)."""
         ready, self._ready = self._ready, []
-        work: dict[OpId, tuple[tuple[int, int, SlotId, int], ...]] = {}  # the same for every rank of an op
+        work: dict[OpId, tuple[tuple[int, int, CellId, int], ...]] = {}  # the same for every rank of an op
         parts: list[Part] = []
         for op, rank in ready:
             if op.op_id not in self.ops.ops:
@@ -384,7 +384,7 @@ class Depot:
             if w is None:
                 pool = self.domains[op.layout_class].registry.pool
                 w = work[op.op_id] = tuple(
-                    (i, b, s, pool.byte_offset(s)) for i, b, s in zip(op.block_indices, op.block_ids, op.tier_slots) if s is not None and i not in op.failed
+                    (i, b, s, pool.byte_offset(s)) for i, b, s in zip(op.block_indices, op.block_ids, op.tier_cells) if s is not None and i not in op.failed
                 )
             parts.append(Part(op.op_id, op.kind, op.engine_id, rank, op.layout_class, op.step, op.check_late, tuple(op.block_indices), w, tuple(sorted(op.failed)), op.message))
         return parts
@@ -475,7 +475,7 @@ class Depot:
         return dom.registry.state_of(h), dom.disk.state_of(h) if dom.disk is not None else None
 
     def stats(self) -> DepotStats:
-        return audit.stats(self.engines, self.domains, self.ops.ops, self.counters, self.host_arena, self.disk_arena)
+        return audit.stats(self.engines, self.domains, self.ops.ops, self.counters, self.host_budget, self.disk_budget)
 
     def all_counters(self) -> dict[str, int]:
         return audit.all_counters(self.counters, self.domains)
@@ -497,11 +497,11 @@ class Depot:
         d = self.domains.get(layout_class)
         if d is None:
             policy = self.config.eviction_policy
-            pool = BlockPool(layout_class, block_bytes, self.host_arena)
+            pool = BlockPool(layout_class, block_bytes, self.host_budget)
             registry = BlockRegistry(pool, make_eviction_policy(policy), owner_share=self.config.namespace_host_share)
             d = Domain(layout_class, block_bytes, world_size, registry)
             if self.config.disk_bytes and world_size <= DISK_MAX_RANKS:
-                dpool = BlockPool(layout_class, disk_record_bytes(block_bytes), self.disk_arena)
+                dpool = BlockPool(layout_class, disk_record_bytes(block_bytes), self.disk_budget)
                 d.disk = BlockRegistry(dpool, make_eviction_policy(policy), track_drops=True)
             self.domains[layout_class] = d
         elif d.block_bytes != block_bytes:
@@ -510,7 +510,7 @@ class Depot:
 
     # -- the disk tier ---------------------------------------------------------------------------------
     def restore_disk(self, layout_class: str, block_bytes: int, world_size: int, blocks: Sequence[tuple[int, int | None, int]]) -> bool:
-        """Blocks (hash, parent, disk slot) a persistent disk tier still holds at start-up (all or none)."""
+        """Blocks (hash, parent, disk cell) a persistent disk tier still holds at start-up (all or none)."""
         return self.disk.restore(self.domain_for(layout_class, block_bytes, world_size), blocks)
 
     @property
@@ -523,7 +523,7 @@ class Depot:
         admitted host blocks the policy lets go now (all of them when `flush`: a clean shutdown)."""
         return self.disk.take_jobs(list(self.domains.values()), now_ms, flush)
 
-    def take_disk_drops(self) -> list[tuple[str, BlockHash, SlotId]]:
+    def take_disk_drops(self) -> list[tuple[str, BlockHash, CellId]]:
         return self.disk.take_drops(list(self.domains.values()))
 
     def disk_job_done(self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], message: str = "") -> None:

@@ -5,22 +5,22 @@ The disk tier is a second registry per layout class (Domain.disk). Host blocks r
 queue of admitted blocks (seen `disk_admit_after` times within the window), written by WRITE jobs
 at once (write-through) or once the host pool is past its watermark (write-back), so that host
 eviction finds them on disk already. A load of a block only on disk first stages it into a fresh
-host slot (a READ job); the load op is held until its reads end.
+host cell (a READ job); the load op is held until its reads end.
 
 Primitives (called by the Depot on the event loop, one at a time):
     sighting(dom, hash)              a request carried the block: counts toward its admission
     consider(dom, hash, stored)      queues a host-resident block for the disk once admitted
-    stage(dom, hash, parent, owner)  a host slot the block is read into for a load, or None
+    stage(dom, hash, parent, owner)  a host cell the block is read into for a load, or None
     wait(hash, op, position)         the load's block arrives with the read staging `hash`
     job(kind, dom, items)            a disk job the storage should run
     take_jobs(now_ms, flush)         jobs to run now: reads, and writes the policy lets go
-    take_drops()                     disk slots whose entry is gone (the storage journals them)
+    take_drops()                     disk cells whose entry is gone (the storage journals them)
     job_done(job_id, failed, corrupt, message) -> [(Op, rank)]   the storage's report; load parts
                                      that may run now
     restore(dom, blocks)             blocks a persistent disk tier still holds at start-up
 
 A job is plain data: the layout class, the sizes the storage needs and, per block, its hash, host
-slot with that slot's byte offset in the host tier, and disk slot. No registry or pool goes with it.
+cell with that cell's byte offset in the host tier, and disk cell. No registry or pool goes with it.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.ops import Op, OpId, OpTable
-from kvdepotd.core.pool import SlotId
+from kvdepotd.core.pool import CellId
 from kvdepotd.core.registry import BlockRegistry, BlockStatus
 
 # The record format on disk: one header per block, then its data padded to the alignment.
@@ -63,17 +63,17 @@ class Domain:
 
 
 class DiskJobKind(enum.Enum):
-    WRITE = "WRITE"  # host slot -> disk slot
-    READ = "READ"  # disk slot -> host slot (staging for a load)
+    WRITE = "WRITE"  # host cell -> disk cell
+    READ = "READ"  # disk cell -> host cell (staging for a load)
 
 
 @dataclass(frozen=True, slots=True)
 class DiskItem:
     hash: BlockHash
     parent: BlockHash | None
-    host_slot: SlotId
-    host_offset: int  # where the host slot's bytes start in the host tier
-    disk_slot: SlotId
+    host_cell: CellId
+    host_offset: int  # where the host cell's bytes start in the host tier
+    disk_cell: CellId
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,18 +158,18 @@ class DiskPlanner:
         return h in self._staging
 
     def stage(self, dom: Domain, h: BlockHash, parent: BlockHash | None, owner: str) -> DiskItem | None:
-        """The read that brings `h` from disk into a fresh host slot for a load, or None when the
-        disk does not hold it (or the host tier has no slot for it)."""
+        """The read that brings `h` from disk into a fresh host cell for a load, or None when the
+        disk does not hold it (or the host tier has no cell for it)."""
         disk, host = dom.disk, dom.registry
         d = disk.state_of(h) if disk is not None else None
         if d is None or d.status is not BlockStatus.RESIDENT or d.doomed:
             return None
-        hslot = host.prepare_store(h, parent, owner)
-        if hslot is None:
+        hcell = host.prepare_store(h, parent, owner)
+        if hcell is None:
             return None
         disk.pin(h)  # type: ignore[union-attr]
         self._staging[h] = []
-        return DiskItem(h, parent, hslot, host.pool.byte_offset(hslot), d.slot)
+        return DiskItem(h, parent, hcell, host.pool.byte_offset(hcell), d.cell)
 
     def wait(self, h: BlockHash, op: Op, pos: int) -> None:
         self._staging[h].append((op, pos))
@@ -194,8 +194,8 @@ class DiskPlanner:
         return ready
 
     @staticmethod
-    def take_drops(domains: Sequence[Domain]) -> list[tuple[str, BlockHash, SlotId]]:
-        out: list[tuple[str, BlockHash, SlotId]] = []
+    def take_drops(domains: Sequence[Domain]) -> list[tuple[str, BlockHash, CellId]]:
+        out: list[tuple[str, BlockHash, CellId]] = []
         for dom in domains:
             if dom.disk is not None and dom.disk.drops:
                 out += [(dom.layout_class, h, s) for h, s in dom.disk.drops]
@@ -236,7 +236,7 @@ class DiskPlanner:
                     host.pin(it.hash)  # the load's pin, released when it ends
                 else:
                     op.failed.add(op.block_indices[pos])
-                    op.tier_slots[pos] = None
+                    op.tier_cells[pos] = None
                     op.message = op.message or message or "disk read failed"
         ready: list[tuple[Op, int]] = []
         for op in waiting.values():
@@ -260,14 +260,14 @@ class DiskPlanner:
                     continue
                 if disk.state_of(h) is not None:
                     continue
-                dslot = disk.prepare_store(h, e.parent)
-                if dslot is None:  # the disk is full of pinned or in-flight blocks: try again later
+                dcell = disk.prepare_store(h, e.parent)
+                if dcell is None:  # the disk is full of pinned or in-flight blocks: try again later
                     self.counters["disk_full"] += 1
                     dom.demote[h] = None
                     dom.demote.move_to_end(h, last=False)
                     break
                 host.pin(h)
-                items.append(DiskItem(h, e.parent, e.slot, host.pool.byte_offset(e.slot), dslot))
+                items.append(DiskItem(h, e.parent, e.cell, host.pool.byte_offset(e.cell), dcell))
             if not items:
                 return
             self.job(DiskJobKind.WRITE, dom, items)
@@ -276,6 +276,6 @@ class DiskPlanner:
 
     @staticmethod
     def restore(dom: Domain, blocks: Sequence[tuple[int, int | None, int]]) -> bool:
-        """Blocks (hash, parent, disk slot) a persistent disk tier still holds at start-up (all or none)."""
+        """Blocks (hash, parent, disk cell) a persistent disk tier still holds at start-up (all or none)."""
         assert dom.disk is not None, "restore without a disk tier"
-        return dom.disk.restore([(BlockHash(h), None if p is None else BlockHash(p), SlotId(s)) for h, p, s in blocks])
+        return dom.disk.restore([(BlockHash(h), None if p is None else BlockHash(p), CellId(s)) for h, p, s in blocks])

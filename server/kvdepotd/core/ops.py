@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NewType
 
 from kvdepot.hashing import BlockHash
-from kvdepotd.core.pool import SlotId
+from kvdepotd.core.pool import CellId
 
 OpId = NewType("OpId", int)
 EngineId = NewType("EngineId", str)
@@ -42,7 +42,7 @@ class Op:
     block_indices: list[int]
     block_ids: list[int]  # engine block ids, same order
     hashes: list[BlockHash]
-    tier_slots: list[SlotId | None]  # host slots (None for blocks that failed up front)
+    tier_cells: list[CellId | None]  # host cells (None for blocks that failed up front)
     step: int
     deadline_ms: int
     world_size: int
@@ -82,7 +82,7 @@ class Part:
     step: int
     check_late: bool
     indices: tuple[int, ...]  # every block index of the op
-    work: tuple[tuple[int, int, SlotId, int], ...]  # to copy: (block index, engine block id, host slot, its byte offset in the host tier)
+    work: tuple[tuple[int, int, CellId, int], ...]  # to copy: (block index, engine block id, host cell, its byte offset in the host tier)
     failed: tuple[int, ...]  # block indices that failed before any copy
     message: str
 

@@ -20,7 +20,7 @@ from collections import Counter
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.disk import DiskItem, DiskJobKind, DiskPlanner, Domain
 from kvdepotd.core.ops import EngineId, Op, OpKind, OpTable, RequestId
-from kvdepotd.core.pool import SlotId
+from kvdepotd.core.pool import CellId
 from kvdepotd.core.records import DepotConfig, Engine
 from kvdepotd.core.registry import BlockStatus
 from kvdepotd.core.slots import BlockState, Slot
@@ -41,7 +41,7 @@ class OpPlanner:
         reg, disk = dom.registry, dom.disk
         idx = list(targets)
         hashes = [slot.hashes[i] for i in idx]
-        tier_slots: list[SlotId | None] = []
+        tier_cells: list[CellId | None] = []
         failed: set[int] = set()
         staged: dict[int, DiskItem] = {}  # position -> the read this load starts
         waits: dict[int, BlockHash] = {}  # position -> a block staging for this load (its own read or another's)
@@ -50,19 +50,19 @@ class OpPlanner:
             e = reg.state_of(h)
             if e is not None and e.status is BlockStatus.RESIDENT and not e.doomed:
                 reg.pin(h)
-                tier_slots.append(e.slot)
+                tier_cells.append(e.cell)
                 self.disk.consider(dom, h)
                 continue
             if e is not None and self.disk.is_staging(h):  # another load is staging it: wait for the same read
-                tier_slots.append(e.slot)
+                tier_cells.append(e.cell)
                 waits[pos] = h
                 continue
             if e is None and (item := self.disk.stage(dom, h, slot.hashes[i - 1] if i else None, eng.namespace)) is not None:
-                tier_slots.append(item.host_slot)  # staged through the host tier
+                tier_cells.append(item.host_cell)  # staged through the host tier
                 staged[pos] = item
                 waits[pos] = h
                 continue
-            tier_slots.append(None)
+            tier_cells.append(None)
             failed.add(i)
         eng.release_pin(slot.request_id)
         reg.touch(hashes)
@@ -74,7 +74,7 @@ class OpPlanner:
         ops: list[Op] = []
         for k in range(0, len(idx), n):
             part = range(k, min(k + n, len(idx)))
-            op = self.new_op(eng, slot, OpKind.LOAD, idx[k : k + n], hashes[k : k + n], tier_slots[k : k + n], step, now_ms)
+            op = self.new_op(eng, slot, OpKind.LOAD, idx[k : k + n], hashes[k : k + n], tier_cells[k : k + n], step, now_ms)
             op.failed = {idx[p] for p in part if idx[p] in failed}
             if op.failed:
                 op.message = "blocks not resident in any tier"
@@ -97,7 +97,7 @@ class OpPlanner:
         dom = eng.domain
         reg, disk = dom.registry, dom.disk
         idx: list[int] = []
-        tier_slots: list[SlotId | None] = []
+        tier_cells: list[CellId | None] = []
         for i in candidates:
             h = slot.hashes[i]
             if disk is not None:
@@ -110,18 +110,18 @@ class OpPlanner:
                     self.disk.consider(dom, h)
                 self.counters["store_blocks_already_cached"] += 1
                 continue
-            tslot = reg.prepare_store(h, slot.hashes[i - 1] if i else None, eng.namespace)
-            if tslot is None:
+            tcell = reg.prepare_store(h, slot.hashes[i - 1] if i else None, eng.namespace)
+            if tcell is None:
                 slot.states[i] = BlockState.NOT_STORED
                 self.counters["store_blocks_over_share" if reg.at_share(eng.namespace) else "store_blocks_tier_full"] += 1
                 continue
             slot.states[i] = BlockState.STORING
             idx.append(i)
-            tier_slots.append(tslot)
+            tier_cells.append(tcell)
         if not idx:
             return None
         self.counters["store_blocks_planned"] += len(idx)
-        return self.new_op(eng, slot, OpKind.STORE, idx, [slot.hashes[i] for i in idx], tier_slots, step, now_ms)
+        return self.new_op(eng, slot, OpKind.STORE, idx, [slot.hashes[i] for i in idx], tier_cells, step, now_ms)
 
     def new_op(
         self,
@@ -130,7 +130,7 @@ class OpPlanner:
         kind: OpKind,
         idx: list[int],
         hashes: list[BlockHash],
-        tier_slots: list[SlotId | None],
+        tier_cells: list[CellId | None],
         step: int,
         now_ms: int,
     ) -> Op:
@@ -142,7 +142,7 @@ class OpPlanner:
             block_indices=idx,
             block_ids=[slot.block_table[i] for i in idx],
             hashes=hashes,
-            tier_slots=tier_slots,
+            tier_cells=tier_cells,
             step=step,
             deadline_ms=now_ms + self.config.op_timeout_ms,
             planned_ms=now_ms,
@@ -157,7 +157,7 @@ class OpPlanner:
         a load's pins are released and its corrupt blocks dropped; the slot's block states follow
         when `slot` is the request's (`current`: of the same device-state generation, for loads)."""
         reg = dom.registry
-        for i, h, s in zip(op.block_indices, op.hashes, op.tier_slots):
+        for i, h, s in zip(op.block_indices, op.hashes, op.tier_cells):
             ok = i not in op.failed
             if op.kind is OpKind.STORE:
                 reg.complete_store(h, ok)

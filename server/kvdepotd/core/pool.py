@@ -1,32 +1,32 @@
 """Fixed-slab pool accounting for one tier.
 
 Primitives:
-    SlabArena(total_bytes, slab_bytes)   the tier's byte budget, handed out in slabs
-    BlockPool(layout_class, block_bytes, arena)
-        allocate() -> SlotId | None      O(1); None when neither a free slot nor a new slab is left
-        take(slots) -> bool              marks given slots used (recovery of a persistent tier)
-        free(slot)                       O(1); freeing a free slot asserts (no double free)
+    SlabBudget(total_bytes, slab_bytes)   the tier's byte budget, handed out in slabs
+    BlockPool(layout_class, block_bytes, budget)
+        allocate() -> CellId | None      O(1); None when neither a free cell nor a new slab is left
+        take(cells) -> bool              marks given cells used (recovery of a persistent tier)
+        free(cell)                       O(1); freeing a free cell asserts (no double free)
         num_free / num_used / capacity_blocks / max_blocks
 
 A slab holds `blocks_per_slab` blocks of one layout class, so all blocks of a pool have one size:
-no fragmentation, and a slot id maps to (slab, offset) by division. Slabs are claimed lazily, so
-several layout classes share one budget. Slabs are not returned to the arena (classes are few
-and long-lived). Eviction is not the pool's business: the registry frees slots.
+no fragmentation, and a cell id maps to (slab, offset) by division. Slabs are claimed lazily, so
+several layout classes share one budget. Slabs are not returned to the budget (classes are few
+and long-lived). Eviction is not the pool's business: the registry frees cells.
 """
 
 from __future__ import annotations
 
 from typing import NewType
 
-SlotId = NewType("SlotId", int)
+CellId = NewType("CellId", int)
 
 
-class SlabArena:
+class SlabBudget:
     """A tier's byte budget. Accounting only: the bytes themselves live in storage/."""
 
     def __init__(self, total_bytes: int, slab_bytes: int) -> None:
         if total_bytes < 0 or slab_bytes <= 0:
-            raise ValueError(f"bad arena size: total {total_bytes}, slab {slab_bytes}")
+            raise ValueError(f"bad tier size: total {total_bytes}, slab {slab_bytes}")
         self.total_bytes = total_bytes
         self.slab_bytes = slab_bytes
         self.used_bytes = 0
@@ -51,20 +51,20 @@ class SlabArena:
 
 
 class BlockPool:
-    """Slots of one layout class in one tier."""
+    """Cells of one layout class in one tier."""
 
-    def __init__(self, layout_class: str, block_bytes: int, arena: SlabArena) -> None:
+    def __init__(self, layout_class: str, block_bytes: int, budget: SlabBudget) -> None:
         self.layout_class = layout_class
         self.block_bytes = block_bytes
-        self._arena = arena
-        self.blocks_per_slab, self._slab_bytes = arena.slab_size_for(block_bytes)
+        self._budget = budget
+        self.blocks_per_slab, self._slab_bytes = budget.slab_size_for(block_bytes)
         self.num_slabs = 0
         self._slab_offsets: list[int] = []  # tier byte offset of each slab
-        self._free: list[SlotId] = []
-        self._is_free: bytearray = bytearray()  # per slot: 1 = free; guards double free
+        self._free: list[CellId] = []
+        self._is_free: bytearray = bytearray()  # per cell: 1 = free; guards double free
 
     @property
-    def num_slots(self) -> int:
+    def num_cells(self) -> int:
         return self.num_slabs * self.blocks_per_slab
 
     @property
@@ -73,63 +73,63 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.num_slots - len(self._free)
+        return self.num_cells - len(self._free)
 
     @property
     def capacity_blocks(self) -> int:
-        """Slots this pool has plus those it could still claim from the arena."""
-        return self.num_slots + (self._arena.free_bytes // self._slab_bytes) * self.blocks_per_slab
+        """Cells this pool has plus those it could still claim from the budget."""
+        return self.num_cells + (self._budget.free_bytes // self._slab_bytes) * self.blocks_per_slab
 
     @property
     def max_blocks(self) -> int:
-        """Slots this pool would have with the whole tier to itself."""
-        return (self._arena.total_bytes // self._slab_bytes) * self.blocks_per_slab
+        """Cells this pool would have with the whole tier to itself."""
+        return (self._budget.total_bytes // self._slab_bytes) * self.blocks_per_slab
 
-    def allocate(self) -> SlotId | None:
+    def allocate(self) -> CellId | None:
         if not self._free and not self._grow():
             return None
-        slot = self._free.pop()
-        self._is_free[slot] = 0
-        return slot
+        cell = self._free.pop()
+        self._is_free[cell] = 0
+        return cell
 
-    def free(self, slot: SlotId) -> None:
-        assert 0 <= slot < self.num_slots and not self._is_free[slot], f"double free of slot {slot}"
-        self._is_free[slot] = 1
-        self._free.append(slot)
+    def free(self, cell: CellId) -> None:
+        assert 0 <= cell < self.num_cells and not self._is_free[cell], f"double free of cell {cell}"
+        self._is_free[cell] = 1
+        self._free.append(cell)
 
-    def take(self, slots: list[SlotId]) -> bool:
-        """Marks `slots` used, claiming slabs up to the highest one; False (nothing taken) when the
-        arena cannot hold that many slabs or a slot is already used."""
-        if not slots:
+    def take(self, cells: list[CellId]) -> bool:
+        """Marks `cells` used, claiming slabs up to the highest one; False (nothing taken) when the
+        budget cannot hold that many slabs or a cell is already used."""
+        if not cells:
             return True
-        need = max(slots) // self.blocks_per_slab + 1
+        need = max(cells) // self.blocks_per_slab + 1
         while self.num_slabs < need:
             if not self._grow():
                 return False
-        if len(set(slots)) != len(slots) or any(s < 0 or not self._is_free[s] for s in slots):
+        if len(set(cells)) != len(cells) or any(s < 0 or not self._is_free[s] for s in cells):
             return False
-        for s in slots:
+        for s in cells:
             self._is_free[s] = 0
         self._free = [s for s in self._free if self._is_free[s]]
         return True
 
-    def slab_of(self, slot: SlotId) -> tuple[int, int]:
+    def slab_of(self, cell: CellId) -> tuple[int, int]:
         """(slab number in this pool, index in the slab)."""
-        return divmod(slot, self.blocks_per_slab)
+        return divmod(cell, self.blocks_per_slab)
 
-    def byte_offset(self, slot: SlotId) -> int:
-        """Where the slot's bytes start in the tier (slab offset + index * block size)."""
-        slab, index = divmod(slot, self.blocks_per_slab)
+    def byte_offset(self, cell: CellId) -> int:
+        """Where the cell's bytes start in the tier (slab offset + index * block size)."""
+        slab, index = divmod(cell, self.blocks_per_slab)
         return self._slab_offsets[slab] + index * self.block_bytes
 
     def _grow(self) -> bool:
-        offset = self._arena.claim(self._slab_bytes)
+        offset = self._budget.claim(self._slab_bytes)
         if offset is None:
             return False
         self._slab_offsets.append(offset)
-        first = self.num_slots
+        first = self.num_cells
         self.num_slabs += 1
         self._is_free.extend(b"\x01" * self.blocks_per_slab)
-        # Reversed so that pop() hands out low slot ids first (easier to read in tests and logs).
-        self._free.extend(SlotId(i) for i in range(self.num_slots - 1, first - 1, -1))
+        # Reversed so that pop() hands out low cell ids first (easier to read in tests and logs).
+        self._free.extend(CellId(i) for i in range(self.num_cells - 1, first - 1, -1))
         return True

@@ -46,7 +46,7 @@ class DepotConfig:
     disk_watermark: float = 0.8  # write-back: host pool fraction past which admitted blocks are written
     disk_job_blocks: int = 32
     disk_jobs_in_flight: int = 4  # write jobs per layout class
-    # reclaim() keeps this many host slots of each layout class free: 1/64 of the pool, at most 256
+    # reclaim() keeps this many host cells of each layout class free: 1/64 of the pool, at most 256
     # (a few steps' worth of stores), so eviction leaves the Step path at the cost of that margin.
     free_reserve_fraction: float = 1 / 64
     free_reserve_max: int = 256

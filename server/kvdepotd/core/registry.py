@@ -4,25 +4,25 @@ Primitives (all synchronous; the caller is the Depot, on one thread):
     lookup(hashes) -> int              leading hashes that are RESIDENT (a prefix match stops at the first miss)
     match_and_pin(hashes) -> int       lookup() that also pins and touches the matched prefix
     state_of(hash) -> BlockEntry|None  resident or being stored ("in flight")
-    prepare_store(hash, parent, owner) -> SlotId | None
-                                       allocates a slot (evicting if it must) and records the block
+    prepare_store(hash, parent, owner) -> CellId | None
+                                       allocates a cell (evicting if it must) and records the block
                                        as STORING; None when the tier is full of pinned/in-flight
                                        blocks, or the owner is at its share and none of its own
                                        blocks can go
     owned                              owner (a namespace) -> its entries; with an owner share below
                                        1, an owner at its share evicts its own LRU leaf to store more
-    complete_store(hash, success)      STORING -> RESIDENT, or drops the block and frees its slot
+    complete_store(hash, success)      STORING -> RESIDENT, or drops the block and frees its cell
     pin(hash) / unpin(hash)            a pin is a count; pinned blocks are never evicted
     discard(hash)                      drops a corrupt block (at once, or when its last pin goes)
     touch(hashes)                      marks use, for LRU
     clear() -> (dropped, kept)         drops every block that is neither pinned nor in flight
     evict_one() -> bool                the policy's next evictable block goes; False when none is
-    restore(blocks) -> int             RESIDENT entries at given slots (a persistent tier after restart)
-    drops                              (hash, slot) of every dropped entry, when track_drops (the disk
+    restore(blocks) -> int             RESIDENT entries at given cells (a persistent tier after restart)
+    drops                              (hash, cell) of every dropped entry, when track_drops (the disk
                                        tier journals them); the owner drains it
 
 Invariants (checked by check_invariants(), exercised by hypothesis):
-    * every entry holds exactly one slot of the pool; used slots == entries
+    * every entry holds exactly one cell of the pool; used cells == entries
     * children[h] == number of entries whose parent is h
     * an evicted block is a leaf (no child entries), not pinned, not STORING
     * owned[o] == entries of owner o, never above the owner limit
@@ -36,7 +36,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from kvdepot.hashing import BlockHash
-from kvdepotd.core.pool import BlockPool, SlotId
+from kvdepotd.core.pool import BlockPool, CellId
 
 
 class BlockStatus(enum.Enum):
@@ -48,7 +48,7 @@ class BlockStatus(enum.Enum):
 class BlockEntry:
     hash: BlockHash
     parent: BlockHash | None
-    slot: SlotId
+    cell: CellId
     status: BlockStatus = BlockStatus.STORING
     pins: int = 0
     children: int = 0  # entries (in this registry) whose parent is this block
@@ -128,7 +128,7 @@ class BlockRegistry:
         """`owner_share` < 1: no owner holds more than that fraction of what the pool could hold with
         the whole tier (a tenant cannot flush the others out of it)."""
         self.pool = pool
-        self.drops: list[tuple[BlockHash, SlotId]] | None = [] if track_drops else None
+        self.drops: list[tuple[BlockHash, CellId]] | None = [] if track_drops else None
         self.entries: dict[BlockHash, BlockEntry] = {}
         self._policy = policy or LeafLruPolicy()
         self._clock = 0
@@ -155,16 +155,16 @@ class BlockRegistry:
         return n
 
     # -- two-phase store ---------------------------------------------------------------------
-    def prepare_store(self, h: BlockHash, parent: BlockHash | None, owner: str = "") -> SlotId | None:
+    def prepare_store(self, h: BlockHash, parent: BlockHash | None, owner: str = "") -> CellId | None:
         assert h not in self.entries, "prepare_store of a block already resident or in flight"
         if self.at_share(owner) and not self._evict_own(owner):
             return None
-        slot = self.pool.allocate()
-        while slot is None:
+        cell = self.pool.allocate()
+        while cell is None:
             if not self.evict_one():
                 return None
-            slot = self.pool.allocate()
-        e = BlockEntry(hash=h, parent=parent, slot=slot, last_use=self._tick(), children=self._child_count.get(h, 0), owner=owner)
+            cell = self.pool.allocate()
+        e = BlockEntry(hash=h, parent=parent, cell=cell, last_use=self._tick(), children=self._child_count.get(h, 0), owner=owner)
         self.entries[h] = e
         self.owned[owner] = self.owned.get(owner, 0) + 1
         self.num_storing += 1
@@ -172,7 +172,7 @@ class BlockRegistry:
             self._child_count[parent] = self._child_count.get(parent, 0) + 1
             if (p := self.entries.get(parent)) is not None:
                 p.children += 1
-        return slot
+        return cell
 
     def complete_store(self, h: BlockHash, success: bool) -> None:
         e = self.entries[h]
@@ -249,14 +249,14 @@ class BlockRegistry:
             dropped += 1
         return dropped, len(self.entries)
 
-    def restore(self, blocks: list[tuple[BlockHash, BlockHash | None, SlotId]]) -> bool:
-        """Adds RESIDENT, unpinned entries at the given slots (all or none: False when the pool
-        cannot take the slots or a hash repeats). Used once, on an empty registry, at start-up."""
+    def restore(self, blocks: list[tuple[BlockHash, BlockHash | None, CellId]]) -> bool:
+        """Adds RESIDENT, unpinned entries at the given cells (all or none: False when the pool
+        cannot take the cells or a hash repeats). Used once, on an empty registry, at start-up."""
         assert not self.entries, "restore into a registry that is in use"
         if len({h for h, _, _ in blocks}) != len(blocks) or not self.pool.take([s for _, _, s in blocks]):
             return False
-        for h, parent, slot in blocks:
-            self.entries[h] = BlockEntry(hash=h, parent=parent, slot=slot, status=BlockStatus.RESIDENT, last_use=self._tick())
+        for h, parent, cell in blocks:
+            self.entries[h] = BlockEntry(hash=h, parent=parent, cell=cell, status=BlockStatus.RESIDENT, last_use=self._tick())
             self.owned[""] = self.owned.get("", 0) + 1
             if parent is not None:
                 self._child_count[parent] = self._child_count.get(parent, 0) + 1
@@ -311,10 +311,10 @@ class BlockRegistry:
             del self.owned[e.owner]
             self._owner_policies.pop(e.owner, None)
         if self.drops is not None:
-            self.drops.append((e.hash, e.slot))
+            self.drops.append((e.hash, e.cell))
         if e.pins:
             self.num_pinned -= 1
-        self.pool.free(e.slot)
+        self.pool.free(e.cell)
         if e.parent is not None:
             left = self._child_count[e.parent] - 1
             if left:
@@ -327,8 +327,8 @@ class BlockRegistry:
 
     def check_invariants(self) -> None:
         assert self.pool.num_used == len(self.entries), (self.pool.num_used, len(self.entries))
-        slots = {e.slot for e in self.entries.values()}
-        assert len(slots) == len(self.entries), "two entries share a slot"
+        cells = {e.cell for e in self.entries.values()}
+        assert len(cells) == len(self.entries), "two entries share a cell"
         children: dict[BlockHash, int] = {}
         for e in self.entries.values():
             if e.parent is not None:

@@ -1,18 +1,18 @@
 """The disk tier's bytes and files: slab files, a journal per layout class, recovery.
 
     <disk-dir>/<layout class>/meta.json        what the files hold (record size, blocks per slab)
-    <disk-dir>/<layout class>/slab-00000.kv    preallocated; slot k of the class lives in slab
+    <disk-dir>/<layout class>/slab-00000.kv    preallocated; cell k of the class lives in slab
                                                k // blocks_per_slab at record k % blocks_per_slab
     <disk-dir>/<layout class>/journal          fixed-size ADD / REMOVE records, each checksummed
 
 One record on disk = a 4 KiB header (magic, generation, hash, parent, per-rank xxh3 of the data,
 a checksum of the header itself) and the block's data padded to 4 KiB, so one block is one
-aligned O_DIRECT I/O and consecutive slots are written or read with one pwritev / preadv.
+aligned O_DIRECT I/O and consecutive cells are written or read with one pwritev / preadv.
 
 Crash safety (the order is the whole design):
     data first     a block's record is written (and fdatasync'ed) before its ADD goes to the journal;
     pointer second an ADD is appended only after that, so the journal never lists unwritten data;
-    delete last    a dropped block gets a REMOVE at once, and a slot is rewritten only after the
+    delete last    a dropped block gets a REMOVE at once, and a cell is rewritten only after the
                    journal holding its REMOVE was synced.
 Recovery replays the journal (a torn or bad record ends it), then reads the header of every
 listed block and drops any whose header does not say exactly what the journal said. Data is
@@ -22,7 +22,7 @@ data against the header's checksums before the block is served.
 Thread safety: reads, writes and journal I/O run on the disk copy engine's threads (journal I/O
 under one lock); forget() runs on the event loop and only queues the REMOVE under a short lock
 that no I/O is done under, so the loop never waits for a disk. Queued removals reach the journal
-(synced) before any slot is rewritten: every write job flushes them first.
+(synced) before any cell is rewritten: every write job flushes them first.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ MAGIC = b"KVDPBLK1"
 _HEAD = struct.Struct("<8sQQQB3xIQ")
 MAX_RANKS = (DISK_HEADER_BYTES - _HEAD.size - 8) // 8
 assert MAX_RANKS >= DISK_MAX_RANKS, "the core plans disk blocks for engines whose checksums do not fit a header"
-# kind, slot, generation, hash, parent, has_parent; then u64 checksum of those bytes
+# kind, cell, generation, hash, parent, has_parent; then u64 checksum of those bytes
 _REC = struct.Struct("<BQQQQB")
 REC_BYTES = _REC.size + 8
 ADD, REMOVE = 1, 2
@@ -80,7 +80,7 @@ class Recovered:
 
     layout_class: str
     block_bytes: int
-    blocks: list[tuple[int, int | None, int]]  # (hash, parent, slot)
+    blocks: list[tuple[int, int | None, int]]  # (hash, parent, cell)
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> blocks
 
 
@@ -110,7 +110,7 @@ class ClassStore:
         self.blocks_per_slab = blocks_per_slab
         self.direct = direct
         self.dir = os.path.join(root, class_dir_name(layout_class))
-        self.live: dict[int, Live] = {}  # slot -> what the journal lists there
+        self.live: dict[int, Live] = {}  # cell -> what the journal lists there
         self.gen = 1
         self._lock = threading.Lock()  # live, gen, pending removals: held for no I/O
         self._io_lock = threading.Lock()  # the journal file: appends, syncs, compaction
@@ -215,8 +215,8 @@ class ClassStore:
         return all(xxh3_at(addr + r * rb, rb) == s for r, s in enumerate(sums))
 
     @staticmethod
-    def _record(kind: int, slot: int, gen: int, h: int, parent: int | None) -> bytes:
-        body = _REC.pack(kind, slot, gen, h, parent or 0, parent is not None)
+    def _record(kind: int, cell: int, gen: int, h: int, parent: int | None) -> bytes:
+        body = _REC.pack(kind, cell, gen, h, parent or 0, parent is not None)
         return body + struct.pack("<Q", xxh3_bytes(body))
 
     def _append(self, data: bytes) -> None:
@@ -237,33 +237,33 @@ class ClassStore:
         entries = self._replay(dropped)
         slabs = self._slab_files()
         size = self.blocks_per_slab * self.record_bytes
-        for slot in list(entries):
-            slab = slot // self.blocks_per_slab
+        for cell in list(entries):
+            slab = cell // self.blocks_per_slab
             if slab >= max_slabs:
                 reason = "over the configured size"
             elif slabs.get(slab) != size:
                 reason = "slab file missing or cut short"
             else:
                 continue
-            del entries[slot]
+            del entries[cell]
             dropped[reason] = dropped.get(reason, 0) + 1
         for slab in [s for s in slabs if s >= max_slabs]:
             os.unlink(self.slab_path(slab))
         by_hash: dict[int, int] = {}
-        for slot, e in sorted(entries.items(), key=lambda kv: kv[1].gen):
+        for cell, e in sorted(entries.items(), key=lambda kv: kv[1].gen):
             if (old := by_hash.get(e.hash)) is not None:  # listed twice: keep the newer
                 del entries[old]
                 dropped["listed twice"] = dropped.get("listed twice", 0) + 1
-            by_hash[e.hash] = slot
-        for slot, e in list(entries.items()):
-            if not self._says(self._read_header(slot), e, e.hash):
-                del entries[slot]
+            by_hash[e.hash] = cell
+        for cell, e in list(entries.items()):
+            if not self._says(self._read_header(cell), e, e.hash):
+                del entries[cell]
                 dropped["header does not match the journal"] = dropped.get("header does not match the journal", 0) + 1
         self.live = entries
         self.gen = max((e.gen for e in entries.values()), default=0) + 1
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self._rewrite_journal()
-        out.blocks = [(e.hash, e.parent, slot) for slot, e in entries.items()]
+        out.blocks = [(e.hash, e.parent, cell) for cell, e in entries.items()]
         return out
 
     def _replay(self, dropped: dict[str, int]) -> dict[int, Live]:
@@ -280,11 +280,11 @@ class ClassStore:
             if struct.unpack_from("<Q", rec, _REC.size)[0] != xxh3_bytes(body):
                 dropped["journal ends in a bad record"] = dropped.get("journal ends in a bad record", 0) + (n - k)
                 break
-            kind, slot, gen, h, parent, has_parent = _REC.unpack(body)
+            kind, cell, gen, h, parent, has_parent = _REC.unpack(body)
             if kind == ADD:
-                entries[slot] = Live(h, parent if has_parent else None, gen)
-            elif kind == REMOVE and (e := entries.get(slot)) is not None and e.hash == h:
-                del entries[slot]
+                entries[cell] = Live(h, parent if has_parent else None, gen)
+            elif kind == REMOVE and (e := entries.get(cell)) is not None and e.hash == h:
+                del entries[cell]
         return entries
 
     def _slab_files(self) -> dict[int, int]:
@@ -299,9 +299,9 @@ class ClassStore:
                 out[int(m.group(1))] = os.stat(os.path.join(self.dir, name)).st_size
         return out
 
-    def _read_header(self, slot: int) -> tuple[int, int, int | None, list[int]] | None:
+    def _read_header(self, cell: int) -> tuple[int, int, int | None, list[int]] | None:
         heads, _ = self._bufs()
-        slab, index = divmod(slot, self.blocks_per_slab)
+        slab, index = divmod(cell, self.blocks_per_slab)
         try:
             n = os.preadv(self._slab_fd(slab), [memoryview(heads)[:DISK_HEADER_BYTES]], index * self.record_bytes)
         except OSError:
@@ -311,7 +311,7 @@ class ClassStore:
     def _rewrite_journal(self, live: dict[int, Live] | None = None) -> None:
         """A journal that lists exactly the live blocks, swapped in atomically."""
         live = self.live if live is None else live
-        data = b"".join(self._record(ADD, slot, e.gen, e.hash, e.parent) for slot, e in live.items())
+        data = b"".join(self._record(ADD, cell, e.gen, e.hash, e.parent) for cell, e in live.items())
         _write_atomic(os.path.join(self.dir, JOURNAL), data)
         if self._journal_fd >= 0:
             os.close(self._journal_fd)
@@ -320,9 +320,9 @@ class ClassStore:
 
     # -- the data path (copy threads) ----------------------------------------------------------------
     def write(self, blocks: Sequence[tuple[int, int, int | None, int, list[int]]]) -> set[int]:
-        """(slot, hash, parent, source address, rank checksums) per block: writes the records, then
+        """(cell, hash, parent, source address, rank checksums) per block: writes the records, then
         lists them in the journal. Returns the hashes that could not be written."""
-        self.flush_removes()  # delete last: removals are durable before any slot is rewritten
+        self.flush_removes()  # delete last: removals are durable before any cell is rewritten
         failed: set[int] = set()
         written: list[tuple[int, int, int | None, int]] = []
         touched: set[int] = set()
@@ -349,7 +349,7 @@ class ClassStore:
         return failed
 
     def read(self, blocks: Sequence[tuple[int, int, int]]) -> tuple[set[int], set[int], dict[int, list[int]]]:
-        """(slot, hash, destination address) per block. Returns (failed, corrupt, checksums by hash):
+        """(cell, hash, destination address) per block. Returns (failed, corrupt, checksums by hash):
         failed blocks could not be read; corrupt ones were read but their header or data did not
         check out (they are removed from the journal at once). read_raw() then check()."""
         failed, got = self.read_raw(blocks)
@@ -357,7 +357,7 @@ class ClassStore:
         return failed, corrupt, sums
 
     def read_raw(self, blocks: Sequence[tuple[int, int, int]]) -> tuple[set[int], list[tuple[int, int, int, bytes]]]:
-        """The I/O half of read(): (failed hashes, [(slot, hash, address, raw header)] of the rest)."""
+        """The I/O half of read(): (failed hashes, [(cell, hash, address, raw header)] of the rest)."""
         failed: set[int] = set()
         got: list[tuple[int, int, int, bytes]] = []
         for run in self._runs(sorted(blocks, key=lambda b: b[0])):
@@ -368,7 +368,7 @@ class ClassStore:
                 log.warning("disk tier: reading %d blocks from %s failed: %s", len(run), self.slab_path(slab), e)
                 failed.update(b[1] for b in run)
                 continue
-            got += [(slot, h, addr, raw) for (slot, h, addr), raw in zip(run, heads)]
+            got += [(cell, h, addr, raw) for (cell, h, addr), raw in zip(run, heads)]
         return failed, got
 
     def check(self, got: list[tuple[int, int, int, bytes]], data: bool = True) -> tuple[set[int], dict[int, list[int]]]:
@@ -377,19 +377,19 @@ class ClassStore:
         them itself. Returns (corrupt hashes, checksums by hash)."""
         corrupt: set[int] = set()
         sums: dict[int, list[int]] = {}
-        for slot, h, addr, raw in got:
+        for cell, h, addr, raw in got:
             with self._lock:
-                want = self.live.get(slot)
+                want = self.live.get(cell)
             head = self.parse_header(raw)
             if head is not None and self._says(head, want, h) and (not data or self._data_ok(addr, head[3])):
                 sums[h] = head[3]
             else:
                 corrupt.add(h)
-                self.forget(slot, h)
+                self.forget(cell, h)
         return corrupt, sums
 
     def _runs(self, blocks: list[Any]) -> Iterator[list[Any]]:
-        """Consecutive slots of one slab, at most run_records() long."""
+        """Consecutive cells of one slab, at most run_records() long."""
         run: list[Any] = []
         limit = self.run_records()
         for b in blocks:
@@ -447,18 +447,18 @@ class ClassStore:
         return out
 
     # -- removal, compaction, shutdown ---------------------------------------------------------------
-    def forget(self, slot: int, h: int) -> bool:
-        """The block at `slot` is no longer listed; its REMOVE is queued (True) for flush_removes."""
+    def forget(self, cell: int, h: int) -> bool:
+        """The block at `cell` is no longer listed; its REMOVE is queued (True) for flush_removes."""
         with self._lock:
-            e = self.live.get(slot)
+            e = self.live.get(cell)
             if e is None or e.hash != h:
                 return False
-            del self.live[slot]
-            self._pending.append(self._record(REMOVE, slot, e.gen, h, e.parent))
+            del self.live[cell]
+            self._pending.append(self._record(REMOVE, cell, e.gen, h, e.parent))
             return True
 
     def flush_removes(self, sync: bool = True) -> None:
-        """Queued REMOVEs into the journal (and synced, so the slots may be rewritten)."""
+        """Queued REMOVEs into the journal (and synced, so the cells may be rewritten)."""
         with self._io_lock:
             with self._lock:
                 data = b"".join(self._pending)
@@ -507,9 +507,9 @@ def verify(root: str) -> dict[str, int]:
         out["classes"] += 1
         buf = bytearray(DISK_HEADER_BYTES + store.block_bytes)
         data_addr = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf)) + DISK_HEADER_BYTES
-        for slot, e in store._replay({}).items():
+        for cell, e in store._replay({}).items():
             out["listed"] += 1
-            slab, index = divmod(slot, store.blocks_per_slab)
+            slab, index = divmod(cell, store.blocks_per_slab)
             try:
                 with open(store.slab_path(slab), "rb") as f:
                     f.seek(index * store.record_bytes)

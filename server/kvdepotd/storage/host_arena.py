@@ -26,7 +26,7 @@ class ArenaError(RuntimeError):
 class HostArena:
     def __init__(self, total_bytes: int, directory: str = "/dev/shm") -> None:
         self.total_bytes = total_bytes
-        self.checksums: dict[tuple[str, int, int], int] = {}  # (layout class, slot, rank) -> xxh3
+        self.checksums: dict[tuple[str, int, int], int] = {}  # (layout class, cell, rank) -> xxh3
         self.pinned = False
         if total_bytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)

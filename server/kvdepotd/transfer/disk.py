@@ -1,7 +1,7 @@
 """The disk copy engine: host arena <-> disk slab files, on its own thread pool.
 
-    submit(jobs)    DiskJobs from the Depot (WRITE: host slot -> disk slot; READ: disk slot -> the
-                    host slot a load waits on); returns at once
+    submit(jobs)    DiskJobs from the Depot (WRITE: host cell -> disk cell; READ: disk cell -> the
+                    host cell a load waits on); returns at once
     on_done         (job id, failed hashes, corrupt hashes, message), called on the event loop
     forget(drops)   the removal of dropped disk blocks: queued on the event loop (no I/O there),
                     journaled and synced by a disk thread
@@ -73,9 +73,9 @@ class DiskCopyEngine:
     def forget(self, drops: Sequence[tuple[str, int, int]]) -> None:
         """Queues the removals (no I/O on the event loop) and has a disk thread journal them."""
         queued: set[str] = set()
-        for layout_class, h, slot in drops:
+        for layout_class, h, cell in drops:
             store = self.store.classes.get(layout_class)
-            if store is not None and store.forget(slot, h):
+            if store is not None and store.forget(cell, h):
                 queued.add(layout_class)
         for layout_class in queued:
             if not self._closed:  # else close() flushes them
@@ -112,10 +112,10 @@ class DiskCopyEngine:
         blocks = []
         for it in job.items:
             addr = arena.base + it.host_offset
-            sums = [arena.checksums.get((cls, it.host_slot, r)) for r in range(store.world_size)]
+            sums = [arena.checksums.get((cls, it.host_cell, r)) for r in range(store.world_size)]
             # Every host block has its checksums (its store or its disk read took them); one without
             # would be hashed here rather than written unchecked.
-            blocks.append((it.disk_slot, it.hash, it.parent, addr, [s if s is not None else int(xxh3_at(addr + r * rb, rb)) for r, s in enumerate(sums)]))
+            blocks.append((it.disk_cell, it.hash, it.parent, addr, [s if s is not None else int(xxh3_at(addr + r * rb, rb)) for r, s in enumerate(sums)]))
         failed = store.write(blocks) if blocks else set()
         store.maybe_compact()
         return self._observe(job, store, (failed, set(), "disk write failed" if failed else ""), t0)
@@ -125,7 +125,7 @@ class DiskCopyEngine:
         t0 = time.perf_counter()
         try:
             store = self._class(job)
-            failed, got = store.read_raw([(it.disk_slot, it.hash, self.arena.base + it.host_offset) for it in job.items])
+            failed, got = store.read_raw([(it.disk_cell, it.hash, self.arena.base + it.host_offset) for it in job.items])
         except Exception as e:  # reported through the same path as a failing check
             fut: Future[Result] = Future()
             fut.set_exception(e)
@@ -142,7 +142,7 @@ class DiskCopyEngine:
             ranks = sums.get(it.hash)
             if ranks is not None:
                 for r, s in enumerate(ranks):
-                    arena.checksums[(cls, it.host_slot, r)] = s
+                    arena.checksums[(cls, it.host_cell, r)] = s
         message = "checksum mismatch in the disk tier" if corrupt else ("disk read failed" if failed else "")
         return self._observe(job, store, (failed, corrupt, message), t0)
 

@@ -42,7 +42,7 @@ import torch
 
 from kvdepot.layout import KvLayout
 from kvdepotd.core.ops import OpId, OpKind, Part
-from kvdepotd.core.pool import SlotId
+from kvdepotd.core.pool import CellId
 from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
 from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer import blockcopy
@@ -51,7 +51,7 @@ from kvdepotd.transfer.mapping import RankMapping
 
 log = logging.getLogger("kvdepotd")
 _memmove = ctypes.memmove
-Work = tuple[tuple[int, int, SlotId, int], ...]  # (block index, engine block id, host slot, its byte offset in the arena)
+Work = tuple[tuple[int, int, CellId, int], ...]  # (block index, engine block id, host cell, its byte offset in the arena)
 GRAIN_BYTES = 8 << 20  # what a copy thread takes from a part at a time (a few ms of copying)
 MAX_GRAIN_BLOCKS = 64
 
@@ -294,7 +294,7 @@ class HostCopyEngine(CopyEngine):
         arena, faults = self.arena, self.faults
         if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
-        for k, (i, bid, slot, offset) in enumerate(work):
+        for k, (i, bid, cell, offset) in enumerate(work):
             if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
                 failed += [w[0] for w in work[k:]]
                 break
@@ -303,7 +303,7 @@ class HostCopyEngine(CopyEngine):
                 message = message or f"engine block {bid} is outside the {m.num_blocks} registered blocks"
                 continue
             hoff = offset + rank_off
-            key = (cls, slot, rank)
+            key = (cls, cell, rank)
             if store:
                 got = self._move(m, bid, hoff, rank_bytes, to_host=True, want_hash=True)
                 assert got is not None
