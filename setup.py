@@ -1,7 +1,7 @@
 """Builds the daemon's native parts: its pure core (kvdepotd.core) into C extensions with mypyc
-(the same source, type-checked by the same mypy, about a quarter less time per Step), and the
-block copy of its data path (kvdepotd/transfer/_blockcopy.c: a copy and its checksum in one pass
-over memory). README, Performance.
+(the same source, type-checked by the same mypy, and less time per Step), and the block copy of
+its data path (kvdepotd/transfer/_blockcopy.c: a copy and its checksum in one pass over memory).
+docs/performance.md has what each is worth.
 
 KVDEPOT_COMPILE decides, when a wheel is built (`pip install .`, `pip wheel .`):
     auto (default)  compile; without a working C compiler install the plain Python core and the

@@ -35,7 +35,7 @@ MISS = LookupResult(0, degraded=True)
 
 
 # OpInfo and OpCompleted come many to a step: plain slotted dataclasses, read-only by convention
-# (a frozen dataclass costs 1.4 us more per op to build, a fifth of a 256-request step's answer).
+# (a frozen dataclass costs a visible share of a large step's answer to build).
 @dataclass(slots=True)
 class OpInfo:
     op_id: int

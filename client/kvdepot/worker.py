@@ -32,9 +32,8 @@ class WorkerLink:
     doorbell with it: one end of a unix datagram socket pair, on which the daemon's copy threads
     send each load's op id the moment this rank's part is copied. poll() reports those as
     LoadCopied, ahead of the stream's own report (which crosses the daemon's event loop and gRPC's
-    threads on both sides: 1.3 - 4.7 ms on two cores beside a vLLM step, against 0.1 - 0.4 for the
-    doorbell); the stream's reader thread rings the same socket with an empty datagram, so waiting
-    is one select() on it either way.
+    threads on both sides, several times slower: docs/performance.md); the stream's reader thread
+    rings the same socket with an empty datagram, so waiting is one select() on it either way.
     """
 
     def __init__(self, client: ClientCore, rank: int) -> None:

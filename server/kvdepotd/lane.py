@@ -1,10 +1,10 @@
 """The lane: Lookup and Step over a plain framed socket, beside gRPC.
 
-A gRPC round trip on this kind of machine crosses several threads on each side (the client's
-request feeder and channel poller, the server's completion-queue poller, then the event loop);
-a message on a plain socket wakes one reader on each side. On the 2-core machine the empty
-round trip goes from about 0.5 ms (Session stream) to about 0.2 ms. The lane carries only the
-engine path, the calls made on every engine step; everything else stays on gRPC.
+A gRPC round trip crosses several threads on each side (the client's request feeder and channel
+poller, the server's completion-queue poller, then the event loop); a message on a plain socket
+wakes one reader on each side, so the engine path's round trip is a fraction of gRPC's
+(docs/performance.md has the figures). The lane carries only the engine path, the calls made on
+every engine step; everything else stays on gRPC.
 
 Wire format, both ways: frames of a little-endian u32 length, then that many bytes.
     request   a SessionRequest (the message of rpc Session)

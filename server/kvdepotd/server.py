@@ -48,11 +48,11 @@ from kvdepotd.wire import safe_parser
 log = logging.getLogger("kvdepotd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["BlockManager"].full_name
 # CPython's cyclic collector, as the daemon runs it. The engine path allocates and frees thousands
-# of objects per Step, almost none in cycles, and the default young-generation threshold (700) ran
-# a collection every few Steps, 1 ms on average and up to 13 ms on the 2-core VM: the Step's p99.
-# A full collection walked everything torch and grpc built at import, a 110-145 ms stall of every
-# engine. So start-up's objects are frozen out of collection (reference counting still frees
-# them) and the young generation is collected every 20,000 net allocations.
+# of objects per Step, almost none in cycles: at the default young-generation threshold (700) a
+# collection ran every few Steps and set the Step's p99, and a full collection walks everything
+# torch and grpc built at import, a stall of every engine (docs/performance.md). So start-up's
+# objects are frozen out of collection (reference counting still frees them) and the young
+# generation is collected every 20,000 net allocations.
 GC_THRESHOLDS = (20_000, 20, 20)
 
 
@@ -178,7 +178,7 @@ class Daemon:
             raise StartupError(str(e)) from None
         # The copy engine runs copies on its own threads, each copy on one of them; torch's
         # intra-op threads inside each copy would only contend with those (their OpenMP teams
-        # wait on each other), a loss of about a fifth of the copy speed on two cores.
+        # wait on each other) and slow the copies down.
         torch.set_num_threads(1)
         self.metrics = Metrics(self.depot, lambda: self.runtime.copy.mapped_bytes)
         faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads)

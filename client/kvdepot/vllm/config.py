@@ -20,7 +20,7 @@
                         block. false: the forward waits for the checks. auto (default): true when
                         the KV cache is on a GPU (the check is CPU work beside the device copy and
                         the GPU's forward), false on CPU (the check would compete with the forward
-                        for the same cores; measured no faster there)
+                        for the same cores)
     tls_ca, tls_cert,   TLS to a daemon on a TCP address (kvdepotd --tls-cert): PEM files of the CA
     tls_key             that signed its certificate (empty: the system's roots) and, when it asks
                         for one, this engine's certificate and key. Setting any of them turns TLS on

@@ -2,19 +2,23 @@
 
 Primitives (called by the runtime on the event loop, one at a time; `now_ms` is passed in):
     register_engine / renew_lease / unregister_engine     engine lifecycle with a lease
+    engine(id) / engine_rank(id, rank) / capacity_blocks(id)   an engine (NotFound, InvalidRequest)
+    domain_for(layout_class, block_bytes, world_size)      a layout class's pools, made on first use
     lookup(...)  -> LookupResult      tokens beyond the engine's own hit the tiers hold; pins them
     step(...)    -> StepPlan          applies slot updates, finishes, preemptions; returns new ops
     forward_done(engine, rank, step)  a worker's forward for `step` ended: its stores may start
     take_ready() -> [Part]            op parts the copy engine should run now (plain data)
     part_copied(op_id, rank)          a late-checked load's bytes reached the engine on one rank
     complete_part(op_id, rank, failed, message, corrupt)   the copy engine's report for one part
-    take_disk_jobs / disk_job_done / take_disk_drops / restore_disk   the disk tier (disk.py)
+    take_disk_jobs / disk_job_done / take_disk_drops / restore_disk   the disk tier (disk.py);
+                                      disk_jobs: how many are out
     expire(now_ms) -> [EngineId]      ends ops, pins and leases past their deadlines; who expired
     reclaim() -> int                  evicts ahead of need down to a small reserve of free host
-                                      slots, so a Step's stores find one without evicting (the
+                                      cells, so a Step's stores find one without evicting (the
                                       runtime calls it off the engine's path)
     take_events() -> [OpCompleted | RequestReleased | LoadCopied]      what the workers must be told
-    clear(), stats(), slot(), block_info()     admin and inspection
+    clear(), stats(), all_counters(), slot(), block_info()     admin and inspection
+    check_invariants()                what must hold between calls (tests)
 
 Lookups mix tiers (host preferred). Two-phase everywhere: a store allocates and marks the block
 STORING (never evicted, never allocated twice) and complete_part makes it RESIDENT or drops it; a

@@ -11,6 +11,7 @@ Primitives (called by the Depot on the event loop, one at a time):
     sighting(dom, hash)              a request carried the block: counts toward its admission
     consider(dom, hash, stored)      queues a host-resident block for the disk once admitted
     stage(dom, hash, parent, owner)  a host cell the block is read into for a load, or None
+    is_staging(hash)                 a read is bringing the block into the host tier
     wait(hash, op, position)         the load's block arrives with the read staging `hash`
     job(kind, dom, items)            a disk job the storage should run
     take_jobs(now_ms, flush)         jobs to run now: reads, and writes the policy lets go

@@ -3,12 +3,16 @@
 Primitives:
     Op                        the record; `parts_left` are ranks still to run, `failed` block indices
     Part                      one op on one rank as a copy thread runs it: plain data (Depot.take_ready)
+    OpTable.new_id() -> OpId                  ids increase from the first (never reused across restarts)
     OpTable.add(op) -> list[(op, rank)]       parts ready to run at once (loads; stores whose forward is done)
     OpTable.release(op) -> list[(op, rank)]   a held load whose disk blocks reached the host tier: all its parts
     OpTable.forward_done(engine, rank, step) -> list[(op, rank)]   store parts that may start now
     OpTable.finish_part(op_id, rank, failed) -> Op | None          the op when its last part ended
     OpTable.part_copied(op_id, rank) -> Op | None    a check_late load when every rank has copied
     OpTable.expired(now_ms) -> list[Op]      ops past their deadline (their unfinished parts count as failed)
+    OpTable.end(op, message) -> Op | None    ends an op now (None: it had ended already)
+    OpTable.is_waiting_forward(op) -> bool   no rank has started it (a store can still be cancelled)
+    OpTable.forget_engine(engine)            drops an unregistered engine's forward-done state
 
 Every op ends exactly once: all parts reported, its deadline, or cancellation. A part reported
 for an op that already ended (late completion, daemon restart of a worker) is ignored.

@@ -74,7 +74,7 @@ class OpPlanner:
         ops: list[Op] = []
         for k in range(0, len(idx), n):
             part = range(k, min(k + n, len(idx)))
-            op = self.new_op(eng, slot, OpKind.LOAD, idx[k : k + n], hashes[k : k + n], tier_cells[k : k + n], step, now_ms)
+            op = self._new_op(eng, slot, OpKind.LOAD, idx[k : k + n], hashes[k : k + n], tier_cells[k : k + n], step, now_ms)
             op.failed = {idx[p] for p in part if idx[p] in failed}
             if op.failed:
                 op.message = "blocks not resident in any tier"
@@ -121,9 +121,9 @@ class OpPlanner:
         if not idx:
             return None
         self.counters["store_blocks_planned"] += len(idx)
-        return self.new_op(eng, slot, OpKind.STORE, idx, [slot.hashes[i] for i in idx], tier_cells, step, now_ms)
+        return self._new_op(eng, slot, OpKind.STORE, idx, [slot.hashes[i] for i in idx], tier_cells, step, now_ms)
 
-    def new_op(
+    def _new_op(
         self,
         eng: Engine,
         slot: Slot,

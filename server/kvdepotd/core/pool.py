@@ -6,7 +6,8 @@ Primitives:
         allocate() -> CellId | None      O(1); None when neither a free cell nor a new slab is left
         take(cells) -> bool              marks given cells used (recovery of a persistent tier)
         free(cell)                       O(1); freeing a free cell asserts (no double free)
-        num_free / num_used / capacity_blocks / max_blocks
+        byte_offset(cell) -> int         where the cell's bytes start in the tier
+        num_cells / num_free / num_used / capacity_blocks / max_blocks
 
 A slab holds `blocks_per_slab` blocks of one layout class, so all blocks of a pool have one size:
 no fragmentation, and a cell id maps to (slab, offset) by division. Slabs are claimed lazily, so
@@ -112,10 +113,6 @@ class BlockPool:
             self._is_free[s] = 0
         self._free = [s for s in self._free if self._is_free[s]]
         return True
-
-    def slab_of(self, cell: CellId) -> tuple[int, int]:
-        """(slab number in this pool, index in the slab)."""
-        return divmod(cell, self.blocks_per_slab)
 
     def byte_offset(self, cell: CellId) -> int:
         """Where the cell's bytes start in the tier (slab offset + index * block size)."""

@@ -9,6 +9,7 @@ Primitives (all synchronous; the caller is the Depot, on one thread):
                                        as STORING; None when the tier is full of pinned/in-flight
                                        blocks, or the owner is at its share and none of its own
                                        blocks can go
+    at_share(owner) -> bool            the owner holds its share of the pool
     owned                              owner (a namespace) -> its entries; with an owner share below
                                        1, an owner at its share evicts its own LRU leaf to store more
     complete_store(hash, success)      STORING -> RESIDENT, or drops the block and frees its cell

@@ -3,7 +3,7 @@ xxh3 taken in the same pass (kvdepotd/transfer/_blockcopy.c has the contract).
 
 `pip install .` builds it where a C compiler is, as it compiles the core (setup.py). An editable
 install, and a machine without a compiler, run the copy engine's torch and ctypes paths instead:
-the same bytes and checksums, at about 60% of its speed (README, Performance).
+the same bytes and checksums, more slowly (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 Parts (one op on one rank) wait in two queues, each served by its own threads: a load is on the
 engine's critical path (the request cannot run until it lands), a store is background work. Load
 threads run at the daemon's priority; store threads at `store_nice` (10 by default), so a store
-gives the CPU to the engine and to loads and takes what they leave (on two cores beside a vLLM
-CPU worker, a cold prefill's stores used to slow the step's sampling and output: cold TTFT 1.8 -
-1.9% lower with them niced, side by side), and a store never waits behind loads nor a load behind
-stores. Each copy thread takes a few blocks at a time (about 8 MiB, fewer near a part's end) from
+gives the CPU to the engine and to loads and takes what they leave (a cold prefill's stores
+otherwise slow the engine's next step on a machine with few cores), and a store never waits
+behind loads nor a load behind stores. Each copy thread takes a few blocks at a time (about 8 MiB, fewer near a part's end) from
 the first waiting part of its queue, so the threads share one large op to its last block instead of
 one finishing its fixed chunk while the other still has a whole one to go.
 
@@ -21,8 +20,8 @@ dedicated stream and are synchronized before the part reports. A load of an engi
 load checks is copied in one pass, reported (`on_copied`, the engine may go on), then checked in a
 second pass; where the native copy checked it on the way, both reports go at once. Either way, the
 moment a load's part is copied the copy thread rings the worker's doorbell where it handed one over
-(RankMapping.ring): the worker's wait ends without the hops through the event loop and gRPC (which
-took 1.3 - 4.7 ms beside a vLLM step on two cores), and the reports follow. Engines of
+(RankMapping.ring): the worker's wait ends without the hops through the event loop and gRPC, and
+the reports follow. Engines of
 layout kind "none" have no tensors: their parts end at once (bookkeeping only).
 """
 

@@ -241,10 +241,10 @@ POPULATE_CHUNK = 2 << 20
 def populate(m: RankMapping, stop: threading.Event | None = None) -> bool:
     """Faults a CPU mapping's pages in ahead of its first copy (the daemon's first touch of each
     4-KiB page of engine memory otherwise costs a page fault inside that copy). Blocks the calling
-    thread for as long as the kernel takes (a few hundred ms per GiB here): call it off the event
-    loop. It goes 2 MiB at a time because the kernel holds the process's memory-map lock while it
-    works, and any thread that maps memory meanwhile (the event loop allocating a large buffer)
-    waits for it: one call over a GiB stalled a Step past its deadline. False where the kernel
+    thread for as long as the kernel takes: call it off the event loop. It goes 2 MiB at a time
+    because the kernel holds the process's memory-map lock while it works, and any thread that maps
+    memory meanwhile (the event loop allocating a large buffer) waits for it: one call over a whole
+    mapping can hold a Step past its deadline. False where the kernel
     cannot (before Linux 5.14, not Linux, or a GPU mapping), or once `stop` is set (the daemon is
     shutting down and must not wait for this): copies fault pages in as before."""
     if m.device != "cpu" or not sys.platform.startswith("linux"):
