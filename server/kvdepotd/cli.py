@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
 def check_disk(directory: str) -> int:
     import json
 
-    from kvdepotd.storage.disk import verify
+    from kvdepotd.storage.disk_dir import verify
 
     try:
         result = verify(directory)

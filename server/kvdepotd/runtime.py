@@ -31,7 +31,7 @@ from kvdepotd.core.records import Engine, LoadCopied, LookupResult, OpCompleted,
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.core.slots import StepColumns
 from kvdepotd.metrics import Metrics
-from kvdepotd.storage.disk import DiskStore
+from kvdepotd.storage.disk_dir import DiskStore
 from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer.base import PartDone
 from kvdepotd.transfer.host import Faults, HostCopyEngine

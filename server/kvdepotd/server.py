@@ -39,7 +39,8 @@ from kvdepotd.lane import Lanes, unix_path
 from kvdepotd.metrics import Metrics
 from kvdepotd.runtime import Runtime
 from kvdepotd.service import DepotService
-from kvdepotd.storage.disk import DiskError, DiskStore
+from kvdepotd.storage.disk import DiskError
+from kvdepotd.storage.disk_dir import DiskStore
 from kvdepotd.storage.host_arena import ArenaError, HostArena
 from kvdepotd.transfer import blockcopy
 from kvdepotd.transfer.host import Faults

@@ -17,7 +17,7 @@ import pytest
 
 from kvdepot import DepotClient, KvLayout
 from kvdepot.testing import DaemonProcess, FakeEngine
-from kvdepotd.storage.disk import verify
+from kvdepotd.storage.disk_dir import verify
 from tests.integration.conftest import attached_engine, close_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.crash]

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from kvdepotd.storage.checksum import xxh3_at
-from kvdepotd.storage.disk import JOURNAL, REC_BYTES, ClassStore, DiskError, DiskStore, verify
+from kvdepotd.storage.disk import JOURNAL, REC_BYTES, ClassStore, DiskError
+from kvdepotd.storage.disk_dir import DiskStore, verify
 
 pytestmark = pytest.mark.integration
 

@@ -33,10 +33,9 @@ from collections.abc import Sequence
 
 from kvdepot.hashing import BlockHash
 from kvdepot.layout import KvLayout
-from kvdepotd.core import audit
+from kvdepotd.core import audit, lookup
 from kvdepotd.core.disk import DISK_MAX_RANKS, DiskConfig, DiskJob, DiskPlanner, Domain, disk_record_bytes
 from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
-from kvdepotd.core.lookup import match
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
 from kvdepotd.core.plan import OpPlanner
 from kvdepotd.core.pool import BlockPool, SlabBudget, CellId
@@ -47,7 +46,6 @@ from kvdepotd.core.records import (
     Engine,
     Event,
     LoadCopied,
-    LookupPin,
     LookupResult,
     OpCompleted,
     PoolStats,
@@ -140,9 +138,7 @@ class Depot:
     def unregister_engine(self, engine_id: EngineId, reason: str = "engine unregistered") -> int:
         eng = self.engine(engine_id)
         for op in [op for op in self.ops.ops.values() if op.engine_id == engine_id]:
-            ended = self.ops.end(op, reason)
-            if ended is not None:
-                self._op_ended(ended)
+            self._end(op, reason)
         for rid in list(eng.pins):
             eng.release_pin(rid)
         released = len(eng.slots)
@@ -173,37 +169,8 @@ class Depot:
         now_ms: int,
     ) -> LookupResult:
         eng = self.engine(engine_id)
-        bs = eng.layout.block_size
-        n = len(tokens) // 4
-        L = device_matched_tokens
-        if not request_id or len(request_id) > MAX_ID_LEN:
-            raise InvalidRequest(f"request id must have 1 to {MAX_ID_LEN} characters")
-        if n > self.config.max_tokens:
-            raise InvalidRequest(f"{n} tokens is over the limit of {self.config.max_tokens}")
-        if L > n:
-            raise InvalidRequest(f"device_matched_tokens {L} exceeds the prompt's {n} tokens")
-        if pin_ms < 0 or pin_ms > self.config.max_pin_ms:
-            raise InvalidRequest(f"pin_ms must be in [0, {self.config.max_pin_ms}], got {pin_ms}")
-        self.counters["lookups"] += 1
         self.disk.now_ms = now_ms
-        eng.release_pin(request_id)  # a repeated lookup replaces the earlier answer
-        first = L // bs
-        # The last prompt token is always recomputed (the engine needs its logits), so never offer it.
-        offerable = max(0, (n - 1) // bs - first) if n else 0
-        hit: list[BlockHash] = []
-        on_disk: list[bool] = []
-        chain: list[BlockHash] = []
-        seed = eng.seed(cache_salt, lora_name)
-        if L % bs == 0 and offerable:
-            hit, on_disk, chain = match(eng.domain, tokens, bs, seed, first, offerable)
-        deadline = now_ms + (pin_ms or self.config.pin_ms)
-        if hit:
-            eng.pins[request_id] = LookupPin(hit, deadline, on_disk, tokens, seed, chain)
-        matched = len(hit) * bs
-        disk = sum(on_disk) * bs
-        self.counters["lookup_hit_tokens"] += matched
-        self.counters["lookup_disk_hit_tokens"] += disk
-        return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs)
+        return lookup.lookup(eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters)
 
     # -- step ----------------------------------------------------------------------------------
     def step(
@@ -330,9 +297,7 @@ class Depot:
             op = self.ops.ops.get(op_id)
             if op is not None and op.kind is OpKind.STORE and self.ops.is_waiting_forward(op):
                 op.cancelled = True
-                ended = self.ops.end(op, reason)
-                if ended is not None:
-                    self._op_ended(ended)
+                self._end(op, reason)
 
     def _bump_epoch(self, eng: Engine, slot: Slot) -> None:
         key = (eng.engine_id, slot.request_id)
@@ -355,9 +320,7 @@ class Depot:
             slot = eng.slots.get(op.request_id)
             if slot is not None and self._load_open(slot, op.step):
                 slot.taint = min(slot.taint, op.block_indices[0]) if slot.taint >= 0 else op.block_indices[0]
-                ended = self.ops.end(op, "its request's load had not ended when the forward ran")
-                if ended is not None:
-                    self._op_ended(ended)
+                self._end(op, "its request's load had not ended when the forward ran")
                 continue
             self._ready.append((op, r))
 
@@ -409,6 +372,12 @@ class Depot:
         if op is not None:
             self._op_ended(op)
 
+    def _end(self, op: Op, reason: str) -> None:
+        """Ends an op before all its parts reported (once: an op that ended already is left)."""
+        ended = self.ops.end(op, reason)
+        if ended is not None:
+            self._op_ended(ended)
+
     def _op_ended(self, op: Op) -> None:
         epoch = op.epoch
         dom = self.domains[op.layout_class]
@@ -443,9 +412,7 @@ class Depot:
         self.disk.now_ms = now_ms
         expired: list[EngineId] = []
         for op in self.ops.expired(now_ms):
-            ended = self.ops.end(op, "deadline exceeded")
-            if ended is not None:
-                self._op_ended(ended)
+            self._end(op, "deadline exceeded")
         for eng in list(self.engines.values()):
             for rid in [rid for rid, p in eng.pins.items() if p.deadline_ms <= now_ms]:
                 eng.release_pin(rid)

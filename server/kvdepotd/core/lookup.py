@@ -1,5 +1,9 @@
-"""Matching a prompt's blocks against the tiers of its layout class (Depot.lookup's walk).
+"""A lookup: the tokens beyond the engine's own prefix hit that the tiers hold, pinned for the
+request (Depot.lookup checks the engine and passes the clock in).
 
+    lookup(engine, request_id, tokens, ...) -> LookupResult
+        checks the request, replaces the request's earlier pin, matches and pins the blocks after
+        the engine's own L tokens (never the last prompt token: the engine needs its logits)
     match(dom, tokens, block_size, seed, first, limit) -> (hashes, on_disk, chain)
         the blocks from `first` on that some tier holds, up to the first one none does, each pinned
         in the tier it is taken from (host first: block 2 on disk and block 3 in host memory is
@@ -8,9 +12,60 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from kvdepot.hashing import BlockHash, block_hashes
 from kvdepotd.core.disk import Domain
+from kvdepotd.core.errors import InvalidRequest
+from kvdepotd.core.ops import RequestId
+from kvdepotd.core.records import DepotConfig, Engine, LookupPin, LookupResult
 from kvdepotd.core.registry import BlockStatus
+from kvdepotd.core.slots import MAX_ID_LEN
+
+
+def lookup(
+    eng: Engine,
+    request_id: RequestId,
+    tokens: bytes,
+    cache_salt: str,
+    lora_name: str,
+    device_matched_tokens: int,
+    pin_ms: int,
+    now_ms: int,
+    config: DepotConfig,
+    counters: Counter[str],
+) -> LookupResult:
+    bs = eng.layout.block_size
+    n = len(tokens) // 4
+    L = device_matched_tokens
+    if not request_id or len(request_id) > MAX_ID_LEN:
+        raise InvalidRequest(f"request id must have 1 to {MAX_ID_LEN} characters")
+    if n > config.max_tokens:
+        raise InvalidRequest(f"{n} tokens is over the limit of {config.max_tokens}")
+    if L > n:
+        raise InvalidRequest(f"device_matched_tokens {L} exceeds the prompt's {n} tokens")
+    if pin_ms < 0 or pin_ms > config.max_pin_ms:
+        raise InvalidRequest(f"pin_ms must be in [0, {config.max_pin_ms}], got {pin_ms}")
+    counters["lookups"] += 1
+    eng.release_pin(request_id)  # a repeated lookup replaces the earlier answer
+    first = L // bs
+    # The last prompt token is always recomputed (the engine needs its logits), so never offer it.
+    offerable = max(0, (n - 1) // bs - first) if n else 0
+    hit: list[BlockHash] = []
+    on_disk: list[bool] = []
+    chain: list[BlockHash] = []
+    seed = eng.seed(cache_salt, lora_name)
+    if L % bs == 0 and offerable:
+        hit, on_disk, chain = match(eng.domain, tokens, bs, seed, first, offerable)
+    deadline = now_ms + (pin_ms or config.pin_ms)
+    if hit:
+        eng.pins[request_id] = LookupPin(hit, deadline, on_disk, tokens, seed, chain)
+    matched = len(hit) * bs
+    disk = sum(on_disk) * bs
+    counters["lookup_hit_tokens"] += matched
+    counters["lookup_disk_hit_tokens"] += disk
+    return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs)
+
 
 
 def match(dom: Domain, tokens: bytes, bs: int, seed: int, first: int, limit: int) -> tuple[list[BlockHash], list[bool], list[BlockHash]]:

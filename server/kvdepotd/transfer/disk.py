@@ -30,7 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvdepotd.core.disk import DiskJob, DiskJobKind
 from kvdepotd.storage.checksum import xxh3_at
-from kvdepotd.storage.disk import ClassStore, DiskStore
+from kvdepotd.storage.disk import ClassStore
+from kvdepotd.storage.disk_dir import DiskStore
 from kvdepotd.storage.host_arena import HostArena
 
 log = logging.getLogger("kvdepotd")
