@@ -23,7 +23,6 @@ from typing import Any
 
 import grpc
 
-from kvdepot.layout import KvLayout
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd import convert
 from kvdepotd.core.depot import Depot
@@ -88,8 +87,8 @@ class Runtime:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
     async def close(self, grace_s: float) -> None:
-        """Stops the ticker, flushes the disk tier (within the grace), lets the copy threads finish
-        what is queued, and ends every worker stream."""
+        """The drain's first half: stops the ticker, flushes the disk tier (within the grace) and
+        stops faulting mappings in. stop_engines() is the second, once the service's streams ended."""
         if self._ticker is not None:
             self._ticker.cancel()
         if self.disk is not None:
@@ -168,7 +167,7 @@ class Runtime:
         """A rank's mapped KV memory: copies may use it now; its pages are faulted in meanwhile
         (not awaited: a copy that comes first faults its own pages in)."""
         self.copy.add_mapping(mapping)
-        self.depot.renew_lease(mapping.engine_id, now_ms())  # type: ignore[arg-type]
+        self.depot.renew_lease(EngineId(mapping.engine_id), now_ms())
         task = asyncio.get_running_loop().create_task(self._populate(mapping))
         self._populating.add(task)
         task.add_done_callback(self._populating.discard)
@@ -195,9 +194,6 @@ class Runtime:
 
     def attached_ranks(self, engine_id: EngineId) -> list[int]:
         return sorted(r for (eid, r) in self.channels if eid == engine_id)
-
-    def layout(self, engine_id: EngineId) -> KvLayout:
-        return self.depot.engine(engine_id).layout
 
     # -- the loop -----------------------------------------------------------------------------------
     def pump(self) -> None:
