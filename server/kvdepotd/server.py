@@ -33,7 +33,7 @@ from kvdepotd import core
 from kvdepotd.auth import AuthError, Tokens
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig
-from kvdepotd.core.disk import disk_record_bytes
+from kvdepotd.core.disk import DiskConfig, disk_record_bytes
 from kvdepotd.handoff import Handoffs
 from kvdepotd.lane import Lanes, unix_path
 from kvdepotd.metrics import Metrics
@@ -101,9 +101,7 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         namespace_host_share=cfg.namespace_host_share,
         disk_bytes=cfg.disk_bytes,
         disk_slab_bytes=cfg.disk_slab_mib << 20,
-        disk_policy=cfg.disk_policy,
-        disk_admit_after=cfg.disk_admit_after,
-        disk_admit_window_ms=int(cfg.disk_admit_window_s * 1000),
+        disk=DiskConfig(policy=cfg.disk_policy, admit_after=cfg.disk_admit_after, admit_window_ms=int(cfg.disk_admit_window_s * 1000)),
         first_op_id=time.time_ns() // 1000,  # microseconds: above every id an earlier daemon handed out
     )
 

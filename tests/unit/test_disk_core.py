@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
 from kvdepotd.core.depot import Depot, DepotConfig
-from kvdepotd.core.disk import DiskJob, DiskJobKind, disk_record_bytes
+from kvdepotd.core.disk import DiskConfig, DiskJob, DiskJobKind, disk_record_bytes
 from kvdepotd.core.ops import OpKind, RequestId
 from kvdepotd.core.slots import BlockState
 
@@ -14,12 +14,13 @@ BLOCK = layout().block_bytes
 
 
 def disk_sim(host_blocks: int = 64, disk_blocks: int = 64, **cfg: object) -> Sim:
+    """`cfg`: DiskConfig's fields, each named with a disk_ prefix (disk_policy=...)."""
     conf = DepotConfig(
         host_bytes=host_blocks * BLOCK,
         slab_bytes=4 * BLOCK,
         disk_bytes=disk_blocks * disk_record_bytes(BLOCK),
         disk_slab_bytes=8 * disk_record_bytes(BLOCK),
-        **cfg,  # type: ignore[arg-type]
+        disk=DiskConfig(**{k.removeprefix("disk_"): v for k, v in cfg.items()}),  # type: ignore[arg-type]
     )
     return Sim(depot=Depot(conf))
 

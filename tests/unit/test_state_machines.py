@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted, RequestReleased
-from kvdepotd.core.disk import DiskJob, disk_record_bytes
+from kvdepotd.core.disk import DiskConfig, DiskJob, disk_record_bytes
 from kvdepotd.core.errors import DepotError, FailedPrecondition
 from kvdepotd.core.ops import OpKind
 from kvdepotd.core.pool import BlockPool, SlabBudget
@@ -259,7 +259,7 @@ class DiskDepotMachine(DepotMachine):
         block = layout().block_bytes
         conf = DepotConfig(
             host_bytes=6 * block, slab_bytes=2 * block, disk_bytes=6 * disk_record_bytes(block),
-            disk_slab_bytes=3 * disk_record_bytes(block), disk_watermark=0.5, disk_job_blocks=2, disk_admit_after=1,
+            disk_slab_bytes=3 * disk_record_bytes(block), disk=DiskConfig(watermark=0.5, job_blocks=2, admit_after=1),
             free_reserve_fraction=1 / 3,
         )
         self.sim = Sim(UpdateStyle.VLLM, depot=Depot(conf))

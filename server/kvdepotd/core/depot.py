@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from kvdepot.hashing import BlockHash
 from kvdepot.layout import KvLayout
 from kvdepotd.core import audit, lookup
-from kvdepotd.core.disk import DISK_MAX_RANKS, DiskConfig, DiskJob, DiskPlanner, Domain, disk_record_bytes
+from kvdepotd.core.disk import DISK_MAX_RANKS, DiskJob, DiskPlanner, Domain, disk_record_bytes
 from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
 from kvdepotd.core.plan import OpPlanner
@@ -72,11 +72,7 @@ class Depot:
         self.by_key: dict[tuple[str, str], EngineId] = {}  # (namespace, engine key): keys are a namespace's own
         self.ops = OpTable(config.first_op_id)
         self.counters: Counter[str] = Counter()
-        disk = DiskConfig(
-            config.disk_policy, config.disk_admit_after, config.disk_admit_window_ms, config.disk_watermark,
-            config.disk_job_blocks, config.disk_jobs_in_flight,
-        )
-        self.disk = DiskPlanner(disk, self.ops, self.counters)
+        self.disk = DiskPlanner(config.disk, self.ops, self.counters)
         self._ready: list[tuple[Op, int]] = []
         self._events: list[Event] = []
         self._slot_epoch: dict[tuple[EngineId, RequestId], int] = {}

@@ -70,7 +70,7 @@ class OpPlanner:
             disk.touch([it.hash for it in staged.values()])
         # With blocks to stage, the load is cut into ops of a read job's size: each starts copying into
         # the engine as soon as its own blocks arrived, while the next ones are still being read.
-        n = max(1, self.config.disk_job_blocks // 2) if waits else len(idx)
+        n = max(1, self.config.disk.job_blocks // 2) if waits else len(idx)
         ops: list[Op] = []
         for k in range(0, len(idx), n):
             part = range(k, min(k + n, len(idx)))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvdepot.hashing import BlockHash, salt_hash, scope_seed
 from kvdepot.layout import KvLayout
-from kvdepotd.core.disk import Domain
+from kvdepotd.core.disk import DiskConfig, Domain
 from kvdepotd.core.ops import EngineId, Op, OpId, RequestId
 from kvdepotd.core.slots import Slot, UpdateStyle
 
@@ -40,12 +40,7 @@ class DepotConfig:
     eviction_policy: str = "leaf-lru"
     disk_bytes: int = 0
     disk_slab_bytes: int = 256 << 20
-    disk_policy: str = "write-back"
-    disk_admit_after: int = 2
-    disk_admit_window_ms: int = 600_000
-    disk_watermark: float = 0.8  # write-back: host pool fraction past which admitted blocks are written
-    disk_job_blocks: int = 32
-    disk_jobs_in_flight: int = 4  # write jobs per layout class
+    disk: DiskConfig = field(default_factory=DiskConfig)  # the disk planner's policy
     # reclaim() keeps this many host cells of each layout class free: 1/64 of the pool, at most 256
     # (a few steps' worth of stores), so eviction leaves the Step path at the cost of that margin.
     free_reserve_fraction: float = 1 / 64
