@@ -338,18 +338,23 @@ class Depot:
     def take_ready(self) -> list[Part]:
         """Op parts the copy engine should run now, as plain data (see ops.Part)."""
         ready, self._ready = self._ready, []
-        work: dict[OpId, tuple[tuple[int, int, CellId, int], ...]] = {}  # the same for every rank of an op
+        live = self.ops.ops
         parts: list[Part] = []
+        last: Op | None = None  # an op's ranks come one after another: its blocks are read once
+        work: tuple[tuple[int, int, CellId, int], ...] = ()
+        indices: tuple[int, ...] = ()
+        failed: tuple[int, ...] = ()
         for op, rank in ready:
-            if op.op_id not in self.ops.ops:
+            if op.op_id not in live:
                 continue
-            w = work.get(op.op_id)
-            if w is None:
+            if op is not last:
+                last = op
                 pool = self.domains[op.layout_class].registry.pool
-                w = work[op.op_id] = tuple(
-                    (i, b, s, pool.byte_offset(s)) for i, b, s in zip(op.block_indices, op.block_ids, op.tier_cells) if s is not None and i not in op.failed
-                )
-            parts.append(Part(op.op_id, op.kind, op.engine_id, rank, op.layout_class, op.step, op.check_late, tuple(op.block_indices), w, tuple(sorted(op.failed)), op.message))
+                bad = op.failed
+                work = tuple([(i, b, c, pool.byte_offset(c)) for i, b, c in zip(op.block_indices, op.block_ids, op.tier_cells) if c is not None and i not in bad])
+                indices = tuple(op.block_indices)
+                failed = tuple(sorted(bad)) if bad else ()
+            parts.append(Part(op.op_id, op.kind, op.engine_id, rank, op.layout_class, op.step, op.check_late, indices, work, failed, op.message))
         return parts
 
     def part_copied(self, op_id: OpId, rank: int) -> None:

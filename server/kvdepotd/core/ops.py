@@ -73,10 +73,11 @@ class Op:
         return [b for i, b in zip(self.block_indices, self.block_ids) if i in self.failed]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Part:
     """One op on one rank, as the copy engine runs it: no core object goes to a copy thread. Its
-    cancellation (the op ended while it ran) is the runtime's flag, not a field here."""
+    cancellation (the op ended while it ran) is the runtime's flag, not a field here. Read-only by
+    convention: one is made per part on the engine's path, and a frozen dataclass is slower to build."""
 
     op_id: OpId
     kind: OpKind
