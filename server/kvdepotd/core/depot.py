@@ -257,6 +257,8 @@ class Depot:
         )
 
     def _store(self, eng: Engine, slot: Slot, candidates: list[int], step: int, now_ms: int, plan: StepPlan) -> None:
+        if not candidates:  # most rows of a decode step: no call further down
+            return
         op = self.planner.store(eng, slot, candidates, step, now_ms)
         if op is not None:
             self._add_op(slot, op, plan)

@@ -147,7 +147,7 @@ class OpPlanner:
             deadline_ms=now_ms + self.config.op_timeout_ms,
             planned_ms=now_ms,
             world_size=eng.layout.world_size,
-            layout_class=eng.layout.layout_class,
+            layout_class=eng.domain.layout_class,
             epoch=self.epochs.get((eng.engine_id, slot.request_id), 0),
             check_late=kind is OpKind.LOAD and eng.late_load_checks,
         )

@@ -289,7 +289,7 @@ class HostCopyEngine(CopyEngine):
         message = ""
         rank_bytes = part.layout.rank_block_bytes
         rank_off = rank * rank_bytes
-        cls = part.layout.layout_class
+        cls = plan.layout_class
         arena, faults = self.arena, self.faults
         if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
