@@ -11,8 +11,7 @@ warm-up. Cases, per prompt size:
     ttft_example_connector_ms    vLLM's ExampleConnector after reset_prefix_cache()
     ttft_local_hit_with_connector_ms  kvdepot, the prompt still in vLLM's own prefix cache: the same
                                  engine's local hit, so daemon_hit_over_own_local_hit (reported, not
-                                 judged) is free of the speed two engine instances differ by (with
-                                 --omp-bind nobind, 0.90 - 1.19x the plain engine's local hit)
+                                 judged) is free of the speed two engine instances differ by
 and decode_tps_ratio: output tokens/s of 8 requests generating 256 tokens each, with the connector
 and a running daemon over without the connector (a decode step that completes no block must not
 wait on the daemon), the median over --decode-repeat rounds of the two engines back to back.
@@ -69,8 +68,7 @@ def settle() -> None:
     """Lets the engines used before go idle: vLLM's worker and EngineCore processes keep polling
     their shared-memory message queues (sched_yield in a loop) for 1 s after their last message,
     so on two cores an engine used just before takes CPU from the one being measured, and from the
-    daemon's copy threads (a 3500-token daemon hit measured 136 ms right after a local hit on another
-    engine, 61-75 ms with one engine alone)."""
+    daemon's copy threads (docs/performance.md has what that did to a daemon hit)."""
     time.sleep(IDLE_S)
 
 
@@ -210,9 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     res["decode_tps_plain"] = median(plain_tps)
     res["decode_tps_kvdepot"] = median(kv_tps)
-    # Each round's two batches ran back to back, so their ratio is free of the VM's slower drifts
-    # (whole runs measured the plain engine anywhere from 316 to 385 tokens/s): the median of the
-    # rounds' ratios, not the ratio of medians taken over the whole minute.
+    # Each round's two batches ran back to back, so their ratio is free of the machine's slower
+    # drifts: the median of the rounds' ratios, not the ratio of medians over the whole minute.
     pairs = [k / p for k, p in zip(kv_tps, plain_tps)]
     res["decode_tps_ratios"] = [round(r, 3) for r in pairs]
     res["decode_tps_ratio"] = round(statistics.median(pairs), 3)
@@ -238,8 +235,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=5, help="measured runs per case (median); default 5")
-    # 9, not 5: on a two-core VM one round's ratio ranged 0.61 - 1.95 (a batch of 6 s taking twice
-    # as long now and then), and a median of 5 such rounds still fell on either side of 0.95.
+    # 9 rounds: one round's ratio can be far off on a small shared machine (a batch taking twice as
+    # long now and then), and a median of 5 still fell on either side of the 0.95 target.
     ap.add_argument("--decode-repeat", type=int, default=9, help="measured decode rounds (a batch on each engine); default 9")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights and KV cache; default float32")
     ap.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for every engine: auto (vLLM's default, the default), nobind, or core lists")
@@ -253,10 +250,8 @@ def main() -> None:
     # core 0, core 1 for the rest). With a kv_transfer_config vLLM wants a second core kept, for the
     # connector; on two cores it cannot, gives up keeping any and runs OpenMP on both, beside that
     # busy loop, the frontend and the daemon. One kept core for every engine compares like with
-    # like. "nobind" (OpenMP threads free on every core, every engine) is what the figures before
-    # 2026-12-05 used: a 3500-token recompute varied by up to 40% within a run and one decode
-    # round's ratio by 0.7 - 1.35x, against 4 - 10% and 0.91 - 1.04x with the default binding, which also
-    # decoded faster (395 - 428 tokens/s against 287 - 385): README, Performance.
+    # like; "nobind" (OpenMP threads free on every core, every engine) oversubscribes the cores and
+    # made the figures far noisier (docs/performance.md).
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     if args.omp_bind == "auto":
         os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(args.reserved_cpus)
