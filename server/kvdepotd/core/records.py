@@ -27,6 +27,8 @@ COUNTERS = (
     "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
     "disk_full", "disk_evictions", "disk_write_missed_blocks",
 )
+
+
 @dataclass(frozen=True, slots=True)
 class DepotConfig:
     host_bytes: int
@@ -47,7 +49,7 @@ class DepotConfig:
     free_reserve_max: int = 256
     namespace_host_share: float = 1.0  # < 1: most of a host pool one namespace may hold (BlockRegistry owner_share)
     # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
-    # daemon's op 7 would take the new daemon's op 7 as done. The service starts them from the clock.
+    # daemon's op 7 would take the new daemon's op 7 as done. The daemon (server.py) starts them from the clock.
     first_op_id: int = 1
 
 
