@@ -104,10 +104,9 @@ class DepotClient(ClientCore):
             due = self._keeper_due()
             if due == "register":
                 self._try_register()
-            elif due == "heartbeat":
-                assert self._reg is not None
+            elif due is not None:
                 try:
-                    self._stub.Heartbeat(pb.HeartbeatRequest(engine_id=self._reg.engine_id), timeout=1.0)
+                    self._stub.Heartbeat(due, timeout=1.0)
                 except grpc.RpcError as e:
                     self._heartbeat_failed(e)
 

@@ -131,17 +131,18 @@ class ClientCore:
         elif e.code() not in MISSES and self._rejections.due(("heartbeat", e.code())):
             log.error("kvdepot: heartbeat rejected (%s): %s", e.code().name, e.details())
 
-    def _keeper_due(self) -> str:
+    def _keeper_due(self) -> str | pb.HeartbeatRequest | None:
         """What the keeper (a thread or a task, polling) should do now: "register" when the daemon
-        does not know the engine, "heartbeat" every third of the lease, else ""."""
+        does not know the engine, every third of the lease the heartbeat to send (for the engine id
+        read here: an unregister() on another thread may clear the registration meanwhile), else None."""
         reg = self._reg
         if reg is None:
-            return ""
+            return None
         now = time.monotonic()
         if reg.engine_id and now < self._next_beat:
-            return ""
+            return None
         self._next_beat = now + reg.lease_ms / 3000
-        return "heartbeat" if reg.engine_id else "register"
+        return pb.HeartbeatRequest(engine_id=reg.engine_id) if reg.engine_id else "register"
 
     def _lookup_request(
         self, request_id: str, tokens: Sequence[int], L: int, cache_salt: str, lora_name: str, pin_ms: int

@@ -146,13 +146,15 @@ class Runtime:
 
     def lookup(self, engine_id: EngineId, request_id: RequestId, tokens: bytes, **kw: Any) -> LookupResult:
         """Depot.lookup (same keywords, less the clock); the call renews the engine's lease."""
-        res = self.depot.lookup(engine_id, request_id, tokens, now_ms=now_ms(), **kw)
-        self.depot.renew_lease(engine_id, now_ms())
+        t = now_ms()
+        res = self.depot.lookup(engine_id, request_id, tokens, now_ms=t, **kw)
+        self.depot.renew_lease(engine_id, t)
         return res
 
     def step(self, engine_id: EngineId, step: int, columns: StepColumns, finished: list[RequestId], preempted: list[RequestId]) -> StepPlan:
-        plan = self.depot.step(engine_id, step, columns, finished, preempted, now_ms())
-        self.depot.renew_lease(engine_id, now_ms())
+        t = now_ms()
+        plan = self.depot.step(engine_id, step, columns, finished, preempted, t)
+        self.depot.renew_lease(engine_id, t)
         self.pump()
         return plan
 

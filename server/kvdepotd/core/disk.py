@@ -2,7 +2,7 @@
 them out; with the on-disk record format the storage writes (kvdepotd.storage.disk).
 
 The disk tier is a second registry per layout class (Domain.disk). Host blocks reach it through a
-queue of admitted blocks (seen `disk_admit_after` times within the window), written by WRITE jobs
+queue of admitted blocks (seen `admit_after` times within the window, DiskConfig), written by WRITE jobs
 at once (write-through) or once the host pool is past its watermark (write-back), so that host
 eviction finds them on disk already. A load of a block only on disk first stages it into a fresh
 host cell (a READ job); the load op is held until its reads end.
@@ -14,8 +14,8 @@ Primitives (called by the Depot on the event loop, one at a time):
     is_staging(hash)                 a read is bringing the block into the host tier
     wait(hash, op, position)         the load's block arrives with the read staging `hash`
     job(kind, dom, items)            a disk job the storage should run
-    take_jobs(now_ms, flush)         jobs to run now: reads, and writes the policy lets go
-    take_drops()                     disk cells whose entry is gone (the storage journals them)
+    take_jobs(domains, now_ms, flush)  jobs to run now: reads, and writes the policy lets go
+    take_drops(domains)              disk cells whose entry is gone (the storage journals them)
     job_done(job_id, failed, corrupt, message) -> [(Op, rank)]   the storage's report; load parts
                                      that may run now
     restore(dom, blocks)             blocks a persistent disk tier still holds at start-up

@@ -71,7 +71,7 @@ class Faults:
             return True
 
 
-@dataclass
+@dataclass(eq=False)  # one part is one object: the live list removes it by identity
 class _Part:
     plan: Part
     mapping: RankMapping
