@@ -87,7 +87,7 @@ def half(args: argparse.Namespace, root: str, daemon_first: bool) -> dict[str, l
     host_gib = (2 * nbytes + (64 << 20)) / 2**30
     disk_gib = (args.repeat * nbytes * 1.05 + (512 << 20)) / 2**30
     daemon = DaemonProcess(
-        args=["--log-level", "warning", "--host-gib", f"{host_gib:.3f}", "--disk-dir", disk_dir, "--disk-gib", f"{disk_gib:.3f}",
+        args=["--log-level", "warning", "--host-gib", f"{host_gib:.3f}", "--host-prealloc", "true", "--disk-dir", disk_dir, "--disk-gib", f"{disk_gib:.3f}",
               "--disk-policy", "write-through", "--disk-admit-after", "1"]
     )
     if daemon_first:
@@ -95,6 +95,7 @@ def half(args: argparse.Namespace, root: str, daemon_first: bool) -> dict[str, l
     # The raw runs move the bytes from and to memory like the daemon's: a shared-memory arena of the
     # whole transfer's size, prepared the same way (not one chunk reused).
     arena = HostArena(nbytes)
+    arena.prepare_all()
     if not daemon_first:
         daemon.start(timeout_s=120)
     buf = memoryview((ctypes.c_char * nbytes).from_address(arena.base)).cast("B")

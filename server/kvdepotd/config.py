@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 class DaemonConfig:
     listen: tuple[str, ...] = (DEFAULT_LISTEN,)
     host_gib: float = 4.0
+    host_prealloc: bool = False
     slab_mib: int = 64
     copy_threads: int = 2
     store_nice: int = 10
@@ -71,6 +72,9 @@ class DaemonConfig:
 HELP: dict[str, str] = {
     "listen": f"address to serve gRPC on: HOST:PORT or unix:PATH (repeatable; env: comma-separated). Default {DEFAULT_LISTEN}",
     "host_gib": "host-memory tier size in GiB (G2). Default 4",
+    "host_prealloc": "back the whole host tier with memory before serving: the memory is taken up front and a "
+    "/dev/shm too small for it stops the daemon at start (start-up then waits about 0.6 s per GiB). False (the "
+    "default): memory is taken as blocks fill the tier, a little ahead of them, and serving starts at once",
     "slab_mib": "slab size in MiB; the host tier is handed to layout classes in slabs. Default 64",
     "copy_threads": "threads copying loads between engines and the host tier, and as many copying stores; more help "
     "where there are cores and memory bandwidth to spare. Default 2",
@@ -98,7 +102,7 @@ HELP: dict[str, str] = {
     "TLS; needs --tls-cert). Empty (the default): no client certificates asked for",
     "auth_file": "TOML file of tokens: every call must carry one (metadata 'authorization: Bearer TOKEN'); a "
     "namespace's token registers and drives engines of that namespace only, an admin token may do everything. "
-    "Re-read on SIGHUP. Empty (the default): no tokens, any caller may do everything (see the README)",
+    "Re-read on SIGHUP. Empty (the default): no tokens, any caller may do everything (docs/security.md)",
     "shm_paths": "accept CPU KV memory named by a /dev/shm path (the daemon opens any such file of its own user); "
     "false: only memory handed over on the handoff socket beside a unix: listen address, which a worker can do "
     "only for memory it holds (set it false when tenants share a daemon). Default true",
@@ -226,6 +230,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "tls_client_ca": _path,
     "auth_file": _path,
     "shm_paths": _bool,
+    "host_prealloc": _bool,
     "eviction_policy": _choice("leaf-lru"),
     "namespace_host_share": _fraction,
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),

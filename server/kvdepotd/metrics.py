@@ -98,6 +98,9 @@ class Metrics:
         )
         self._calls = {(m, t): self.engine_calls.labels(m, t) for m in ("Lookup", "Step") for t in ("lane", "session", "unary")}
         self.lane_connections = Gauge("kvdepot_lane_connections", "open connections on the lanes", registry=self.registry)
+        self.host_backed = Gauge(
+            "kvdepot_host_tier_backed_bytes", "host tier bytes backed by memory so far (taken as blocks fill the tier)", registry=self.registry
+        )
         self.handoff_pending = Gauge(
             "kvdepot_handoff_pending_descriptors", "KV memory descriptors handed over and not registered yet", registry=self.registry
         )

@@ -187,20 +187,13 @@ class Daemon:
         self.service = DepotService(self.runtime)
         self.service.auth = tokens
         self.recovery = Recovery()
-        if cfg.disk_dir:
-            try:
-                store = DiskStore(cfg.disk_dir, cfg.disk_bytes, direct=cfg.disk_direct_io)
-                self.recovery = recover_disk(self.depot, store)
-            except (DiskError, OSError) as e:
-                self.arena.close()
-                raise StartupError(f"disk tier: {e}") from None
-            self.runtime.attach_disk(store, cfg.disk_threads)
         self.metrics.recovery = self.recovery
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.lanes = Lanes(self.service.answer, cfg.max_message_mib << 20)
         self.handoffs = Handoffs(lambda: self.service.auth)
         self.metrics.handoff_pending.set_function(self.handoffs.pending)
+        self.metrics.host_backed.set_function(lambda: self.arena.ready_bytes)
         self.service.shm_paths = cfg.shm_paths
         self.metrics.lane_connections.set_function(self.lanes.open_connections)
         self.addresses: list[str] = []
@@ -236,8 +229,20 @@ class Daemon:
                 raise StartupError(f"cannot serve metrics on {self.cfg.metrics_listen}: {e.strerror or e}") from None
             self._metrics_http = srv
             self.metrics_address = f"http://{host}:{srv.server_port}/metrics"
+        self.server = server  # bound (a busy address failed above, before anything slow)
+        if self.cfg.host_prealloc:
+            t0 = time.monotonic()
+            try:
+                await asyncio.to_thread(self.arena.prepare_all)
+            except ArenaError as e:
+                raise StartupError(str(e)) from None
+            log.info("host tier: %.2f GiB backed with memory in %.2f s (--host-prealloc)", self.cfg.host_gib, time.monotonic() - t0)
+        if self.cfg.disk_dir:
+            self._open_disk()
+        # grpc's health servicer answers SERVING for "" from the start: not before the lanes, the
+        # handoff sockets and their permissions are ready (set below, last).
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
-        self.server = server
         if self.cfg.lane:
             for addr in self.addresses:
                 unix = addr.startswith("unix:")
@@ -297,6 +302,15 @@ class Daemon:
                 self.cfg.disk_gib, self.cfg.disk_dir, self.cfg.disk_policy, self.cfg.disk_admit_after,
                 "O_DIRECT" if self.cfg.disk_direct_io else "buffered", self.cfg.disk_threads,
             )
+
+    def _open_disk(self) -> None:
+        cfg = self.cfg
+        try:
+            store = DiskStore(cfg.disk_dir, cfg.disk_bytes, direct=cfg.disk_direct_io)
+            self.recovery = self.metrics.recovery = recover_disk(self.depot, store)
+        except (DiskError, OSError) as e:
+            raise StartupError(f"disk tier: {e}") from None
+        self.runtime.attach_disk(store, cfg.disk_threads)
 
     def _load_tokens(self) -> Tokens | None:
         path = self.cfg.auth_file
@@ -365,6 +379,7 @@ class Daemon:
                 await self.server.stop(None)
             if self._metrics_http is not None:
                 self._metrics_http.shutdown()  # type: ignore[attr-defined]
+            self.arena.close()
             raise
         loop = asyncio.get_running_loop()
         def on_signal(sig: signal.Signals) -> None:

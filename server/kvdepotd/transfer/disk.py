@@ -126,6 +126,8 @@ class DiskCopyEngine:
         t0 = time.perf_counter()
         try:
             store = self._class(job)
+            if not self.arena.ensure(max(it.host_offset for it in job.items) + store.block_bytes):
+                raise OSError(self.arena.error)
             failed, got = store.read_raw([(it.disk_cell, it.hash, self.arena.base + it.host_offset) for it in job.items])
         except Exception as e:  # reported through the same path as a failing check
             fut: Future[Result] = Future()

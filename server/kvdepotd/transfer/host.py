@@ -293,6 +293,8 @@ class HostCopyEngine(CopyEngine):
         arena, faults = self.arena, self.faults
         if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
+        if store and not arena.ensure(max(w[3] for w in work) + rank_off + rank_bytes):  # memory behind the cells
+            return [w[0] for w in work], [], arena.error
         for k, (i, bid, cell, offset) in enumerate(work):
             if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
                 failed += [w[0] for w in work[k:]]
