@@ -16,12 +16,30 @@ DESCRIPTION = """kvdepotd: a KV-cache block manager that runs beside LLM inferen
 
 Options come from, in rising precedence: defaults, a TOML file (--config or KVDEPOT_CONFIG),
 KVDEPOT_* environment variables (KVDEPOT_HOST_GIB=8, KVDEPOT_LISTEN=a,b), and flags."""
+EPILOG = """`kvdepotd serve` runs the daemon with working defaults (gRPC on 127.0.0.1:50061, a 4 GiB host
+tier, metrics on http://127.0.0.1:9464/metrics) until SIGTERM or Ctrl-C, which drain it;
+`kvdepotd --host-gib 8 ...` (options, no command) serves too. `kvdepotd serve --help` lists
+every option."""
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    from kvdepotd import core
+
+    try:
+        v = dist_version("kvdepot")
+    except PackageNotFoundError:
+        v = "unknown"
+    return f"kvdepotd {v} (core {'compiled' if core.compiled() else 'plain Python'}, Python {sys.version.split()[0]})"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvdepotd", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="kvdepotd", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="store_true", help="print the version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    serve = sub.add_parser("serve", help="run the daemon (the default command)", description=DESCRIPTION,
+    serve = sub.add_parser("serve", help="run the daemon (what options alone, with no command, do too)", description=DESCRIPTION,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     config.add_arguments(serve)
     check = sub.add_parser("check-config", help="print the effective configuration and exit (2 when it or its tokens file is wrong)")
@@ -88,7 +106,13 @@ def health_check(address: str, timeout_s: float, tls: Tls | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv:  # someone finding out what this is: tell them rather than start a daemon
+        parser().print_help()
+        return 0
+    if argv[0] == "--version":
+        print(version())
+        return 0
+    if argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["serve", *argv]
     args = parser().parse_args(argv)
     if args.command == "health":
@@ -133,7 +157,38 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+def taken(cfg: config.DaemonConfig) -> str:
+    """Which TCP address another process already listens on, checked before the daemon's imports
+    (a second or so) so that a busy port fails at once; "" when none is (the daemon's own binds
+    follow and report anything else)."""
+    import errno
+    import socket
+
+    addresses = [a for a in cfg.listen if not a.startswith("unix:")] + ([cfg.metrics_listen] if cfg.metrics_listen else [])
+    for addr in addresses:
+        host, _, port = addr.rpartition(":")
+        if not port.isdigit() or int(port) == 0:
+            continue
+        try:
+            infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except OSError:
+            continue
+        for family, kind, proto, _, where in infos:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a TIME_WAIT is not a listener
+                try:
+                    s.bind(where)
+                except OSError as e:
+                    if e.errno == errno.EADDRINUSE:
+                        return addr
+    return ""
+
+
 def run(cfg: config.DaemonConfig) -> int:
+    busy = taken(cfg)
+    if busy:
+        logging.getLogger("kvdepotd").error("cannot start: another process is listening on %s", busy)
+        return 1
     from kvdepotd.server import Daemon, StartupError
 
     try:
