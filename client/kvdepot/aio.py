@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -17,6 +18,8 @@ from kvdepot.layout import KvLayout
 from kvdepot.session import again_on_new_stream
 from kvdepot.tls import Tls, channel
 from kvdepot.v1 import kvdepot_pb2 as pb
+
+log = logging.getLogger("kvdepot")
 
 
 class AsyncDepotClient(ClientCore):
@@ -53,14 +56,16 @@ class AsyncDepotClient(ClientCore):
         lease_ms: int = 0,
         engine_key: str = "",
         late_load_checks: bool = False,
+        keep_trying: bool = False,
     ) -> str:
+        """As DepotClient.register_engine."""
         self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks)
-        await self._try_register(raise_errors=True)
+        await self._try_register(raise_errors=True, keep_trying=keep_trying)
         if self._keeper is None:
             self._keeper = asyncio.get_running_loop().create_task(self._keep())
         return self.engine_id
 
-    async def _try_register(self, raise_errors: bool = False) -> bool:
+    async def _try_register(self, raise_errors: bool = False, keep_trying: bool = True) -> bool:
         assert self._reg is not None
         try:
             r = await self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0))
@@ -68,7 +73,7 @@ class AsyncDepotClient(ClientCore):
             self._lane.configure(r.lanes)
             return True
         except grpc.RpcError as e:
-            return self._registration_failed(e, raise_errors)
+            return self._registration_failed(e, raise_errors, keep_trying)
 
     async def _keep(self) -> None:
         while True:
@@ -172,7 +177,7 @@ class AsyncDepotClient(ClientCore):
                 for e in m.worker_events(ev):
                     yield e
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self.address) from None
         finally:
             call.cancel()
 
@@ -180,7 +185,7 @@ class AsyncDepotClient(ClientCore):
         try:
             return await getattr(self._stub, method)(req, timeout=self.admin_deadline_s)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self.address) from None
 
     async def stats(self) -> pb.GetStatsResponse:
         return await self._admin("GetStats", pb.GetStatsRequest())
@@ -208,8 +213,14 @@ class AsyncDepotClient(ClientCore):
             await self._admin("UnregisterEngine", req)
 
     async def close(self) -> None:
+        """As DepotClient.close: unregisters the engine, then closes every connection."""
         if self._keeper is not None:
             self._keeper.cancel()
+        if (req := self._unregister_request()) is not None:
+            try:
+                await self._stub.UnregisterEngine(req, timeout=1.0)
+            except grpc.RpcError as e:
+                log.debug("kvdepot: unregister at close: %s", e.code().name)
         if self._session is not None:
             self._session.cancel()
         self._lane.close()

@@ -73,22 +73,26 @@ class DepotClient(ClientCore):
         lease_ms: int = 0,
         engine_key: str = "",
         late_load_checks: bool = False,
+        keep_trying: bool = False,
     ) -> str:
-        """Registers the engine and starts the keeper. Returns the engine id, or "" when the daemon
-        did not answer (the keeper keeps trying; engine-path calls are misses until then).
+        """Registers the engine and starts the keeper; returns the engine id. A daemon that does not
+        answer raises kvdepot.errors.Unavailable naming the address, unless `keep_trying` (an
+        engine that must go on without the cache): then a warning says so, the answer is "", the
+        keeper registers the engine once the daemon answers, and engine-path calls are misses until
+        then.
 
         Processes of one engine (a scheduler and its workers) pass the same `engine_key` and share
         one engine id. `late_load_checks`: the engine can take a load's failure after the step that
         used the blocks and discard that step's output (vLLM can); its loads then report LoadCopied
         before their checksums are checked, and OpCompleted after."""
         self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks)
-        self._try_register(raise_errors=True)
+        self._try_register(raise_errors=True, keep_trying=keep_trying)
         if self._keeper is None:
             self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)
             self._keeper.start()
         return self.engine_id
 
-    def _try_register(self, raise_errors: bool = False) -> bool:
+    def _try_register(self, raise_errors: bool = False, keep_trying: bool = True) -> bool:
         assert self._reg is not None
         try:
             r = self._stub.RegisterEngine(self._reg.req, timeout=max(self.deadline_s, 1.0))
@@ -97,7 +101,7 @@ class DepotClient(ClientCore):
             log.info("kvdepot: engine registered as %s at %s", self._reg.engine_id, self.address)
             return True
         except grpc.RpcError as e:
-            return self._registration_failed(e, raise_errors)
+            return self._registration_failed(e, raise_errors, keep_trying)
 
     def _keep(self) -> None:
         while not self._closed.wait(0.2):
@@ -165,7 +169,7 @@ class DepotClient(ClientCore):
         try:
             return getattr(self._stub, method)(req, timeout=self.admin_deadline_s)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self.address) from None
 
     def stats(self) -> pb.GetStatsResponse:
         return self._admin("GetStats", pb.GetStatsRequest())
@@ -195,11 +199,18 @@ class DepotClient(ClientCore):
             self._admin("UnregisterEngine", req)
 
     def close(self) -> None:
+        """Unregisters the engine (its slots, pins and ops end now, not at its lease's expiry;
+        another process of the same engine_key keeps it), then closes every connection."""
         self._closed.set()
-        self._session.reset()
-        self._lane.close()
         for w in self._workers:
             w.close()
+        if (req := self._unregister_request()) is not None:
+            try:
+                self._stub.UnregisterEngine(req, timeout=1.0)
+            except grpc.RpcError as e:
+                log.debug("kvdepot: unregister at close: %s", e.code().name)
+        self._session.reset()
+        self._lane.close()
         self._channel.close()
 
     def __enter__(self) -> DepotClient:

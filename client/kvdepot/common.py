@@ -70,7 +70,7 @@ def degraded(client: Any, e: grpc.RpcError, what: str) -> None:
     """Decides whether an engine-path failure is a miss (logged, returned) or raised (strict)."""
     code = e.code()
     if client.strict:
-        raise from_rpc_error(e) from None
+        raise from_rpc_error(e, client.address) from None
     if code is grpc.StatusCode.NOT_FOUND and client._reg is not None and "is not registered" in (e.details() or ""):
         client._reg.engine_id = ""  # the daemon restarted or our lease expired: the keeper re-registers
     if code in MISSES or code is grpc.StatusCode.NOT_FOUND:
@@ -115,12 +115,19 @@ class ClientCore:
         layout.validate()
         self._reg = Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key, late_load_checks))
 
-    def _registration_failed(self, e: grpc.RpcError, raise_errors: bool) -> bool:
-        """False when the daemon did not answer (the keeper retries); raises a rejection when asked."""
-        if e.code() in MISSES and not (raise_errors and self.strict):
+    def _registration_failed(self, e: grpc.RpcError, raise_errors: bool, keep_trying: bool = True) -> bool:
+        """False when the daemon did not answer and the keeper retries (said once, naming the
+        address, when it is the first try); raises a rejection when asked, and an unanswered first
+        try unless `keep_trying`."""
+        if e.code() in MISSES and keep_trying and not (raise_errors and self.strict):
+            if raise_errors:
+                log.warning(
+                    "kvdepot: kvdepotd at %s did not answer (%s); going on without the cache, registering in the background",
+                    self.address, e.code().name,
+                )
             return False
         if raise_errors:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e, self.address) from None
         log.error("kvdepot: registration rejected: %s", e.details())
         return False
 

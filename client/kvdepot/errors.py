@@ -55,9 +55,16 @@ _BY_CODE: dict[grpc.StatusCode, type[DepotError]] = {
 }
 
 
-def from_rpc_error(e: grpc.RpcError) -> DepotError:
+UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def from_rpc_error(e: grpc.RpcError, address: str = "") -> DepotError:
+    """The error for a failed call; one that did not reach the daemon names the address it tried."""
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     details = e.details() if hasattr(e, "details") else str(e)
-    err = _BY_CODE.get(code, DepotError)(f"{code.name}: {details}")
+    text = f"{code.name}: {details}"
+    if address and code in UNREACHABLE:
+        text = f"kvdepotd at {address} did not answer ({text})"
+    err = _BY_CODE.get(code, DepotError)(text)
     err.code = code
     return err

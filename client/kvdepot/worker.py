@@ -87,7 +87,7 @@ class WorkerLink:
             self.client._stub.RegisterKvCaches(req, timeout=timeout)
         except grpc.RpcError as e:
             if raise_errors and self.client.strict:
-                raise from_rpc_error(e) from None
+                raise from_rpc_error(e, self.client.address) from None
             log.error("kvdepot worker %d: KV caches not registered: %s", self.rank, e.details())
             return False
         self._kv_engine = engine_id
@@ -97,9 +97,12 @@ class WorkerLink:
         """The forward of `step` is done (CPU), or will be once `cuda_event` (a torch.cuda.Event made
         with interprocess=True and recorded after the forward) completes: never blocks."""
         self._last_forward = max(self._last_forward, step)
-        if self.attached.is_set():
-            handle = bytes(cuda_event.ipc_handle()) if cuda_event is not None else b""
-            self._out.put(pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step, cuda_event=handle)))
+        # Queued even before the daemon answered the attach: the stream sends it right after the
+        # attach (a report made only once attached was lost when it came in between). A stream that
+        # ends first drops its queue; the next attach reports _last_forward instead. A report
+        # twice is harmless: the daemon starts each store once.
+        handle = bytes(cuda_event.ipc_handle()) if cuda_event is not None else b""
+        self._out.put(pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step, cuda_event=handle)))
 
     def poll(self) -> list[m.WorkerEvent]:
         out: list[m.WorkerEvent] = []

@@ -138,7 +138,10 @@ class Runtime:
     def renew_lease(self, engine_id: EngineId) -> int:
         return self.depot.renew_lease(engine_id, now_ms())
 
-    def unregister_engine(self, engine_id: EngineId) -> int:
+    def unregister_engine(self, engine_id: EngineId) -> int | None:
+        """Released slots, or None when other processes of the engine remain (nothing ended)."""
+        if not self.depot.leave_engine(engine_id):
+            return None
         released = self.depot.unregister_engine(engine_id)
         self._close_engine(engine_id, "engine unregistered")
         self.pump()

@@ -106,10 +106,12 @@ class DepotService(pb_grpc.BlockManagerServicer):
         return OPEN if auth is None else auth.caller(context.invocation_metadata())
 
     def own_engine(self, context: Any, engine_id: EngineId) -> Engine:
-        """The engine, when the caller may drive it (NotFound for an unknown one, as before)."""
+        """The engine, when the caller may drive it. The token is checked first: a call without a
+        valid one learns nothing, not even whether the engine exists."""
+        caller = self.caller(context)
         eng = self.depot.engine(engine_id)
-        if self.auth is not None and not (c := self.caller(context)).may_use(eng.namespace):
-            raise PermissionDenied(f"engine {engine_id} is not in the namespace of the call's token ({c.describe()})")
+        if not caller.may_use(eng.namespace):
+            raise PermissionDenied(f"engine {engine_id} is not in the namespace of the call's token ({caller.describe()})")
         return eng
 
     def refused(self, method: str, e: DepotError, context: Any) -> None:
@@ -191,6 +193,9 @@ class DepotService(pb_grpc.BlockManagerServicer):
     async def UnregisterEngine(self, request: pb.UnregisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.UnregisterEngineResponse:
         engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
         released = self.runtime.unregister_engine(engine_id)
+        if released is None:
+            log.info("engine %s: one of its processes unregistered; the others keep it", engine_id)
+            return pb.UnregisterEngineResponse()
         log.info("engine %s unregistered (%d slots released)", engine_id, released)
         return pb.UnregisterEngineResponse(released_slots=released)
 

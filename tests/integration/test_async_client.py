@@ -46,7 +46,7 @@ def test_async_round_trip(daemon: DaemonProcess) -> None:
 def test_async_client_degrades_when_daemon_is_down() -> None:
     async def main() -> None:
         c = AsyncDepotClient(f"127.0.0.1:{free_port()}", deadline_s=0.05)
-        assert await c.register_engine("m", LAYOUT) == ""
+        assert await c.register_engine("m", LAYOUT, keep_trying=True) == ""
         t0 = time.monotonic()
         assert (await c.lookup("r", list(range(64)))).degraded
         assert (await c.step(StepBatch())).degraded

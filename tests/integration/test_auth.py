@@ -95,10 +95,10 @@ def test_a_namespace_token_registers_in_its_namespace_only(daemon: DaemonProcess
         assert [(e.engine_id, e.namespace) for e in c.engines()] == [(eid, "team-a")]  # only its own
         with pytest.raises(PermissionDenied, match="admin token"):
             c.clear()
-    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=ADMIN) as admin:
-        assert admin.register_engine("m", LAYOUT, namespace="team-b")
-        assert {"team-a", "team-b"} <= {e.namespace for e in admin.engines()}
-        admin.clear()
+        with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=ADMIN) as admin:
+            assert admin.register_engine("m", LAYOUT, namespace="team-b")
+            assert {"team-a", "team-b"} <= {e.namespace for e in admin.engines()}
+            admin.clear()
 
 
 def test_another_namespace_cannot_drive_or_inspect_an_engine(daemon: DaemonProcess) -> None:
@@ -174,31 +174,33 @@ def lane_call(sock: socket.socket, req: pb.SessionRequest) -> tuple[int, bytes]:
 
 
 def test_a_lane_connection_acts_only_after_an_accepted_hello(daemon: DaemonProcess) -> None:
-    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=A) as c:
+    c = DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=A)  # open to the end: its engine stays registered
+    try:
         eid = c.register_engine("m-lane", LAYOUT)
         assert c._lane._target is not None
         _, host, port = c._lane._target
-    lookup = pb.SessionRequest(lookup=pb.LookupRequest(engine_id=eid, request_id="q", tokens=list(range(32))))
-    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
-    with socket.create_connection((host, port), timeout=5) as s:
-        code, msg = lane_call(s, lookup)
-        assert code == unauthenticated and b"requires a token" in msg
-        assert re.search(r"refused Lookup from lane 127\.0\.0\.1:\d+: this daemon requires a token", daemon.log())
-        code, _ = lane_call(s, pb.SessionRequest(hello=pb.Hello(token="wrong-token-0123456789")))
-        assert code == unauthenticated
-        assert lane_call(s, lookup)[0] == unauthenticated
-        code, body = lane_call(s, pb.SessionRequest(hello=pb.Hello(token=B)))
-        assert code == 0 and pb.SessionResponse.FromString(body).hello.namespace == "team-b"
-        assert lane_call(s, lookup)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]  # team-a's engine
-        assert lane_call(s, pb.SessionRequest(hello=pb.Hello(token=A)))[0] == 0
-        assert lane_call(s, lookup)[0] == 0
-    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token="wrong-token-0123456789") as bad:
-        bad._lane.configure([f"{host}:{port}"])  # as a registration would tell it
-        with pytest.raises(grpc.RpcError) as e:  # the client's refused hello fails the call, as gRPC would
-            bad._lane.call(lookup, 5.0)
-        assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
-        assert bad._lane._sock is None  # and is not kept
-
+        lookup = pb.SessionRequest(lookup=pb.LookupRequest(engine_id=eid, request_id="q", tokens=list(range(32))))
+        unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+        with socket.create_connection((host, port), timeout=5) as s:
+            code, msg = lane_call(s, lookup)
+            assert code == unauthenticated and b"requires a token" in msg
+            assert re.search(r"refused Lookup from lane 127\.0\.0\.1:\d+: this daemon requires a token", daemon.log())
+            code, _ = lane_call(s, pb.SessionRequest(hello=pb.Hello(token="wrong-token-0123456789")))
+            assert code == unauthenticated
+            assert lane_call(s, lookup)[0] == unauthenticated
+            code, body = lane_call(s, pb.SessionRequest(hello=pb.Hello(token=B)))
+            assert code == 0 and pb.SessionResponse.FromString(body).hello.namespace == "team-b"
+            assert lane_call(s, lookup)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]  # team-a's engine
+            assert lane_call(s, pb.SessionRequest(hello=pb.Hello(token=A)))[0] == 0
+            assert lane_call(s, lookup)[0] == 0
+        with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token="wrong-token-0123456789") as bad:
+            bad._lane.configure([f"{host}:{port}"])  # as a registration would tell it
+            with pytest.raises(grpc.RpcError) as e:  # the client's refused hello fails the call, as gRPC would
+                bad._lane.call(lookup, 5.0)
+            assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert bad._lane._sock is None  # and is not kept
+    finally:
+        c.close()
 
 def test_handed_over_memory_needs_a_token_and_stays_in_its_namespace(daemon: DaemonProcess) -> None:
     path = handoff_path(daemon.unix)

@@ -152,10 +152,14 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
             c.register_engine("m", LAYOUT)
             c.lookup("r", list(range(64)))
             assert "kvdepot_lane_connections 1.0" in scrape()
-            for kwargs in ({"lane": False}, {"session": False}):
-                with DepotClient(d.tcp, strict=True, deadline_s=5.0, **kwargs) as other:
-                    other.register_engine("m", LAYOUT, namespace="team-b")
-                    other.lookup("r", list(range(64)))
+            others = [DepotClient(d.tcp, strict=True, deadline_s=5.0, **kwargs) for kwargs in ({"lane": False}, {"session": False})]
+            for other in others:
+                other.register_engine("m", LAYOUT, namespace="team-b")
+                other.lookup("r", list(range(64)))
+            during = scrape()
+            for other in others:
+                other.close()
+        assert 'kvdepot_namespace_engines{namespace=""} 1.0' in during and 'kvdepot_namespace_engines{namespace="team-b"} 2.0' in during
         end = time.monotonic() + 5
         while "kvdepot_lane_connections 0.0" not in (body := scrape()) and time.monotonic() < end:
             time.sleep(0.05)  # the daemon's loop sees the closed connection on its own time
@@ -168,7 +172,7 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     for transport in ("lane", "session", "unary"):
         assert f'kvdepot_engine_calls_total{{method="Lookup",transport="{transport}"}} 1.0' in body
     assert 'kvdepot_engine_calls_total{method="Step",transport="lane"} 0.0' in body
-    assert 'kvdepot_namespace_engines{namespace=""} 1.0' in body and 'kvdepot_namespace_engines{namespace="team-b"} 2.0' in body
+    assert "kvdepot_engines 0.0" in body and "kvdepot_engines_unregistered_total 3.0" in body  # each close() unregistered
 
 
 def test_host_tier_too_large_is_a_clear_startup_error() -> None:
@@ -182,7 +186,8 @@ def test_host_tier_too_large_is_a_clear_startup_error() -> None:
 
 def test_processes_of_one_engine_join_by_key(daemon: DaemonProcess) -> None:
     """A scheduler and its workers register with one engine_key and share one engine id; a
-    registration under that key that differs is refused; the key is free again after unregister."""
+    registration under that key that differs is refused; the engine ends when the last of them
+    unregisters, and the key is free again."""
     a = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
     b = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
     c = DepotClient(daemon.tcp, strict=True, deadline_s=5.0)
@@ -192,7 +197,10 @@ def test_processes_of_one_engine_join_by_key(daemon: DaemonProcess) -> None:
         with pytest.raises(FailedPrecondition, match="vllm-key-1"):
             c.register_engine("other-model", LAYOUT, engine_key="vllm-key-1")
         assert sum(e.engine_id == first for e in a.engines()) == 1
-        a.unregister()
+        a.unregister()  # one process leaves: the other still holds the engine
+        assert sum(e.engine_id == first for e in c.engines()) == 1
+        b.unregister()  # the last one: the engine ends
+        assert not any(e.engine_id == first for e in c.engines())
         again = c.register_engine("other-model", LAYOUT, engine_key="vllm-key-1")
         assert again and again != first
     finally:
@@ -214,3 +222,45 @@ def test_op_ids_never_repeat_across_a_restart() -> None:
             b.new("r", list(range(40)), [0, 1, 2], computed=0, scheduled=40)
             seen += [op.op_id for op in c.step(b).ops]
     assert len(seen) == 2 and seen[1] > seen[0], seen
+
+
+def test_bare_command_prints_help_and_version_says_which_core() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvdepotd"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "serve" in out.stdout and "check-config" in out.stdout and "Ctrl-C" in out.stdout
+    out = subprocess.run([sys.executable, "-m", "kvdepotd", "--version"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stdout.startswith("kvdepotd ") and "core" in out.stdout
+
+
+def test_a_busy_port_fails_at_once_naming_it(daemon: DaemonProcess) -> None:
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdepotd", "serve", "--listen", daemon.tcp, "--metrics-listen", ""], capture_output=True, text=True, timeout=60
+    )
+    took = time.monotonic() - t0
+    assert out.returncode == 1 and f"another process is listening on {daemon.tcp}" in out.stderr, out.stderr
+    assert took < 10, took  # before the daemon's imports (benchmarked in bench/startup.py: well under 1 s)
+
+
+def test_close_unregisters_at_once(daemon: DaemonProcess) -> None:
+    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0) as admin:
+        c = DepotClient(daemon.tcp, deadline_s=5.0)
+        eid = c.register_engine("m-close", LAYOUT)
+        assert any(e.engine_id == eid for e in admin.engines())
+        c.close()
+        assert not any(e.engine_id == eid for e in admin.engines())
+    assert f"engine {eid} unregistered" in daemon.log()
+
+
+def test_an_unreachable_daemon_is_named(caplog: pytest.LogCaptureFixture) -> None:
+    from kvdepot.errors import Unavailable
+    from kvdepot.testing import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with DepotClient(address, deadline_s=0.2) as c:
+        with pytest.raises(Unavailable, match=f"kvdepotd at {address} did not answer"):
+            c.register_engine("m", LAYOUT)
+        with pytest.raises(Unavailable, match=f"kvdepotd at {address}"):
+            c.stats()
+    with DepotClient(address, deadline_s=0.2) as c, caplog.at_level("WARNING", logger="kvdepot"):
+        assert c.register_engine("m", LAYOUT, keep_trying=True) == ""
+        assert f"kvdepotd at {address} did not answer" in caplog.text and "in the background" in caplog.text

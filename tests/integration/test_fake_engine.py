@@ -79,7 +79,7 @@ def test_daemon_not_running_at_engine_start() -> None:
     from kvdepot.testing import free_port
 
     c = DepotClient(f"127.0.0.1:{free_port()}", deadline_s=0.05)
-    assert c.register_engine("m", LAYOUT) == ""
+    assert c.register_engine("m", LAYOUT, keep_trying=True) == ""
     e = FakeEngine(c)
     t0 = time.monotonic()
     r = e.generate(list(range(100)), max_new_tokens=8)

@@ -50,6 +50,7 @@ def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_pat
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
             "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--block-size", str(BLOCK),
             "--max-num-seqs", "8", "--kv-transfer-config", json.dumps(kv),
+            "--shutdown-timeout", "10",  # a clean shutdown (vLLM's default, 0, kills its processes at once)
         ]
         log = open(tmp_path / "server.log", "w+")
         server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -98,3 +99,10 @@ def test_openai_server_second_completion_is_a_daemon_hit(model_dir: str, tmp_pat
         # vLLM logs its own shutdown (EngineDeadError on terminate); nothing may come from kvdepot.
         assert "kvdepot/" not in text and "Failed to reset prefix cache" not in text, text[-5000:]
         assert not [ln for ln in text.splitlines() if "ERROR" in ln and "kvdepot" in ln], text[-5000:]
+        # A clean shutdown unregisters both processes: the engine is gone now, not at its lease's expiry.
+        with DepotClient(d.tcp, strict=True, token=ADMIN) as c:
+            deadline = time.monotonic() + 10
+            while c.engines() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not c.engines(), d.log()[-3000:]
+        assert "one of its processes unregistered" in d.log() and "lease expired" not in d.log(), d.log()[-3000:]

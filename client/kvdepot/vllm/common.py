@@ -89,13 +89,13 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
 def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str) -> DepotClient | None:
     client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls(), token=cfg.token)
     try:
-        engine_id = client.register_engine(model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout))
+        engine_id = client.register_engine(
+            model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout), keep_trying=True
+        )
     except DepotError as e:
         log.error("kvdepot: the daemon at %s refused the engine (%s); the connector stays off", cfg.address, e)
         client.close()
         return None
-    if engine_id:
+    if engine_id:  # else the client warned, naming the address, and keeps trying in the background
         log.info("kvdepot: %s connected to %s as engine %s", name, cfg.address, engine_id)
-    else:
-        log.warning("kvdepot: no daemon at %s yet; serving without it and retrying in the background", cfg.address)
     return client

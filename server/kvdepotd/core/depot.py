@@ -2,6 +2,7 @@
 
 Primitives (called by the runtime on the event loop, one at a time; `now_ms` is passed in):
     register_engine / renew_lease / unregister_engine     engine lifecycle with a lease
+    leave_engine(id) -> bool          one process of an engine leaves; True when it was the last
     engine(id) / engine_rank(id, rank) / capacity_blocks(id)   an engine (NotFound, InvalidRequest)
     domain_for(layout_class, block_bytes, world_size)      a layout class's pools, made on first use
     lookup(...)  -> LookupResult      tokens beyond the engine's own hit the tiers hold; pins them
@@ -115,6 +116,7 @@ class Depot:
                     f"layout {eng.layout}, style {eng.style.value}: this registration differs"
                 )
             eng.lease_expires_ms = max(eng.lease_expires_ms, now_ms + lease)
+            eng.processes += 1
             return eng, True
         domain = self._domain(layout)
         eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key, late_load_checks)
@@ -130,6 +132,13 @@ class Depot:
         eng = self.engine(engine_id)
         eng.lease_expires_ms = now_ms + eng.lease_ms
         return eng.lease_expires_ms
+
+    def leave_engine(self, engine_id: EngineId) -> bool:
+        """A process of the engine unregisters: True when it was the last one, and the engine should
+        go; while processes that joined it under its key remain, nothing ends."""
+        eng = self.engine(engine_id)
+        eng.processes -= 1
+        return eng.processes <= 0
 
     def unregister_engine(self, engine_id: EngineId, reason: str = "engine unregistered") -> int:
         eng = self.engine(engine_id)

@@ -145,6 +145,7 @@ class Engine:
     domain: Domain
     key: str = ""
     late_load_checks: bool = False  # its loads report LoadCopied before their checksums are checked
+    processes: int = 1  # registrations under its key (a scheduler and its workers) not yet unregistered
     slots: dict[RequestId, Slot] = field(default_factory=dict)
     pins: dict[RequestId, LookupPin] = field(default_factory=dict)
     last_step: int = -1
