@@ -135,12 +135,18 @@ def test_inconsistent_counts(c: DepotClient) -> None:
         (InvalidRequest, "exceed its", lambda b: b.new("x", toks, list(range(7)), computed=100, scheduled=0, device_matched=96, loaded=16)),
         (InvalidRequest, "exceeds computed_tokens", lambda b: b.new("x", toks, list(range(7)), computed=16, scheduled=0, device_matched=32)),
         (InvalidRequest, "must carry its tokens", lambda b: b.new("x", [], [], computed=0, scheduled=0)),
+        (InvalidRequest, "request x: computed_tokens 0 + scheduled_tokens 500 = 500 runs past its 3 tokens", lambda b: b.new("x", [1, 2, 3], [1], computed=0, scheduled=500)),
+        (InvalidRequest, "request live: computed_tokens 40 + scheduled_tokens 1000", lambda b: b.cached("live", [], [], computed=40, scheduled=1000)),
         (InvalidRequest, "only for new updates", lambda b: b._add("live", False, [], [], 40, 0, 16, 0, "", "")),
         (InvalidRequest, "appears twice", lambda b: (b.new("x", toks, list(range(7)), computed=0, scheduled=1), b.new("x", toks, list(range(7)), computed=0, scheduled=1))),
         (InvalidRequest, "both updated and finished", lambda b: (b.cached("live", [], [], computed=40, scheduled=0), b.finished.append("live"))),
     ]
     for err, words, fill in cases:
         expect(c, err, words, step_with(c, fill))
+
+
+def test_lookup_without_tokens(c: DepotClient) -> None:
+    expect(c, InvalidRequest, "request r: no tokens", lambda: c._admin("Lookup", pb.LookupRequest(engine_id=c.engine_id, request_id="r")))
 
 
 def test_block_table_shorter_than_positions(c: DepotClient) -> None:

@@ -40,6 +40,8 @@ def lookup(
     L = device_matched_tokens
     if not request_id or len(request_id) > MAX_ID_LEN:
         raise InvalidRequest(f"request id must have 1 to {MAX_ID_LEN} characters")
+    if n == 0:
+        raise InvalidRequest(f"request {request_id}: no tokens: a lookup needs the prompt's token ids")
     if n > config.max_tokens:
         raise InvalidRequest(f"{n} tokens is over the limit of {config.max_tokens}")
     if L > n:

@@ -1,5 +1,5 @@
 """Slots: the daemon's record of one request of one engine, and the rules that turn slot updates
-into plans (DESIGN.md "Slot semantics"; each rule is a test in tests/unit/test_scenarios.py).
+into plans (docs/design.md "Slot semantics"; each rule is a test in tests/unit/test_scenarios.py).
 
 Primitives:
     SlotUpdate                     one engine-neutral update (L, E, computed, scheduled, tokens, blocks)
@@ -25,6 +25,10 @@ from kvdepotd.core.ops import OpId, RequestId
 
 
 MAX_ID_LEN = 256  # request ids, engine names, models, namespaces
+# How far computed + scheduled may run past the tokens a request carries: an engine schedules
+# tokens it does not know yet (speculative drafts; asynchronous scheduling's next token), never
+# more than this in one step. More is a mistake in the update, rejected.
+MAX_SCHEDULED_AHEAD = 64
 
 
 class UpdateStyle(enum.Enum):
@@ -281,6 +285,11 @@ def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: 
         raise InvalidRequest(f"request {rid}: device_matched_tokens {L} + loaded_tokens {E} exceed its {total} tokens")
     if C > total:
         raise InvalidRequest(f"request {rid}: computed_tokens {C} exceeds its {total} tokens")
+    if C + S > total + MAX_SCHEDULED_AHEAD:
+        raise InvalidRequest(
+            f"request {rid}: computed_tokens {C} + scheduled_tokens {S} = {C + S} runs past its {total} tokens by more "
+            f"than the {MAX_SCHEDULED_AHEAD} a step may schedule ahead of them (speculative drafts, async scheduling)"
+        )
     if u.is_new and L > C:
         raise InvalidRequest(f"request {rid}: device_matched_tokens {L} exceeds computed_tokens {C}")
     blocks = len(u.new_block_ids) + (0 if u.is_new or slot is None else len(slot.block_table))
