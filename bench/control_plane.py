@@ -10,7 +10,7 @@ Prints one JSON line:
   step256_sparse_*                   the same 256 decoding requests as a connector sends them: an update
                                      only when a request appends or completes a block (engine-side cost
                                      per step, including the steps that need no round trip)
-Targets (DESIGN.md): p50 <= 1 ms, p99 <= 3 ms, lookup <= 10 ms.
+Targets (docs/design.md): p50 <= 1 ms, p99 <= 3 ms, lookup <= 10 ms.
 
     python bench/control_plane.py [--steps 2000] [--address HOST:PORT [--token-file F]] [--auth]
     (no --address: starts a daemon; --auth: that daemon asks for tokens and every call carries one)
@@ -44,13 +44,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def worker_main(address: str, token: str, engine_id: str, steps: mp.Queue, acks: mp.Queue) -> None:
-    """The engine's worker process: reports each step's forward done and waits (up to 5 ms, the
-    least a real forward of 256 requests takes) for the daemon to complete that step's stores, so
-    the next Step meets a daemon that is not still busy with this one, as it would behind a real
-    forward."""
+def worker_main(address: str, token: str, engine_key: str, steps: mp.Queue, acks: mp.Queue) -> None:
+    """The engine's worker process: joins the scheduler's engine by its key, as an engine's workers
+    do, reports each step's forward done and waits (up to 5 ms, the least a real forward of 256
+    requests takes) for the daemon to complete that step's stores, so the next Step meets a daemon
+    that is not still busy with this one, as it would behind a real forward."""
     c = DepotClient(address, strict=True, token=token)
-    c._reg = type("R", (), {"engine_id": engine_id})()  # type: ignore[assignment]  # attach to the scheduler's engine
+    c.register_engine("bench-model", LAYOUT, engine_key=engine_key)
     w = c.worker(0)
     w.attached.wait(10)
     acks.put(-1)  # attached
@@ -80,7 +80,8 @@ def bench_steps(c: DepotClient, token: str, steps: int, dense_only: bool = False
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
     acks: mp.Queue = ctx.Queue()
-    proc = ctx.Process(target=worker_main, args=(c.address, token, c.engine_id, q, acks))
+    assert c._reg is not None and c._reg.req.engine_key, "the scheduler registers with an engine_key for its worker to join"
+    proc = ctx.Process(target=worker_main, args=(c.address, token, c._reg.req.engine_key, q, acks))
     proc.start()
     acks.get(timeout=30)
 
@@ -270,12 +271,12 @@ def main() -> int:
     try:
         out: dict[str, object] = {"bench": "control_plane", "address": "loopback tcp", "tokens": bool(token)}
         with DepotClient(address, strict=True, deadline_s=5.0, token=token) as c:
-            c.register_engine("bench-model", LAYOUT, name="bench-steps")
+            c.register_engine("bench-model", LAYOUT, name="bench-steps", engine_key="bench-steps")
             # The daemon's own time per dense Step (its RPC histogram over that pass), without the wire.
             out.update(bench_steps(c, token, args.steps, metrics_port=metrics_port if daemon is not None else 0))
         for how, kwargs in (("session", {"lane": False}), ("unary", {"session": False})):  # the other transports
             with DepotClient(address, strict=True, deadline_s=5.0, token=token, **kwargs) as c:
-                c.register_engine("bench-model", LAYOUT, name=f"bench-steps-{how}")
+                c.register_engine("bench-model", LAYOUT, name=f"bench-steps-{how}", engine_key=f"bench-steps-{how}")
                 other = bench_steps(c, token, args.steps, dense_only=True)
                 out[f"step256_{how}_p50_ms"], out[f"step256_{how}_p99_ms"] = other["step256_p50_ms"], other["step256_p99_ms"]
         with DepotClient(address, strict=True, deadline_s=5.0, token=token) as c:

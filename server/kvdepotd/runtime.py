@@ -207,7 +207,6 @@ class Runtime:
         self._pumping = True
         try:
             parts = self.depot.take_ready()
-            self._arena.want(self.depot.host_budget.used_bytes)  # memory behind what the core claimed
             while parts:
                 self.copy.submit(parts)
                 parts = self.depot.take_ready()

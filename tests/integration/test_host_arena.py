@@ -1,6 +1,6 @@
-"""The host tier's memory is backed as blocks fill it: nothing at first beyond the look-ahead, the
-claimed bytes plus LOOKAHEAD once the core claims them, everything on prepare_all, and a copy's
-bytes before it writes them. A /dev/shm that cannot back a chunk fails that ensure(), saying so,
+"""The host tier's memory is backed as copies write into it: nothing at first beyond the look-ahead,
+a copy's bytes before it writes them and LOOKAHEAD beyond them in the background, everything on
+prepare_all. A /dev/shm that cannot back a chunk fails that ensure(), saying so,
 instead of a SIGBUS in a copy thread."""
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ def backed_soon(arena: HostArena, nbytes: int) -> bool:
     return arena.ready_bytes >= nbytes
 
 
-def test_backed_ahead_of_what_the_core_claims() -> None:
+def test_backed_ahead_of_the_writes() -> None:
     arena = HostArena(8 * CHUNK + LOOKAHEAD)
     try:
         assert backed_soon(arena, LOOKAHEAD)
         time.sleep(0.1)
         assert arena.ready_bytes == LOOKAHEAD  # no further than asked
-        arena.want(3 * CHUNK)
-        assert backed_soon(arena, 3 * CHUNK + LOOKAHEAD)
+        assert arena.ensure(3 * CHUNK)  # a copy about to write up to there: backed now, and more soon
+        assert arena.ready_bytes >= 3 * CHUNK and backed_soon(arena, 3 * CHUNK + LOOKAHEAD)
         assert arena.ensure(arena.total_bytes - 1) and arena.ready_bytes == arena.total_bytes
         ctypes.memset(arena.base + arena.total_bytes - 4096, 7, 4096)  # writable to the end
     finally:

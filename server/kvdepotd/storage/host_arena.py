@@ -2,16 +2,20 @@
 
 The region is a file under /dev/shm, mapped and then unlinked (the mapping keeps it alive; a
 crashed daemon leaves no file behind). It is backed by memory lazily, from the start of the region
-on, a chunk at a time: the core claims slabs in address order, so the arena keeps the claimed bytes
-and LOOKAHEAD more backed (`want`, from the runtime after each plan) on a thread of its own, and a
-copy that writes into the region first makes sure its bytes are backed (`ensure`, almost always a
-comparison). So start-up does not wait for the tier, the daemon holds only the memory its blocks
-use, and the copy path neither pays for page faults nor meets a SIGBUS when /dev/shm runs out (the
-chunk fails to back and the copy fails instead). Backing uses madvise(MADV_POPULATE_WRITE), which
-does not write to the memory; on kernels without it the chunk is zeroed, which is as safe, because
-no copy ever writes beyond the backed bytes. With CUDA, each chunk is pinned (cudaHostRegister) as
-it is backed. Per-block checksums (xxh3-64 per block and rank, taken at store, checked at load)
-live beside it.
+on, as copies write into it: a copy first makes sure its bytes are backed (`ensure`, almost always
+a comparison), and a thread of its own keeps LOOKAHEAD bytes beyond the furthest write backed, so
+the copies seldom wait for it. (The core claims slabs in address order, so writes move forward
+through the region.) So start-up does not wait for the tier, the daemon holds only the memory its
+blocks use (none for engines that move no bytes), and the copy path neither pays for page faults
+nor meets a SIGBUS when /dev/shm runs out (the piece fails to back and the copy fails instead).
+
+Backing uses madvise(MADV_POPULATE_WRITE), which does not write to the memory; on kernels without
+it a piece is zeroed, which is as safe, because no copy ever writes beyond the backed bytes. It goes
+PIECE bytes per call: the kernel holds the process's memory-map lock for a call, and an event loop
+that maps memory meanwhile waits for it (docs/performance.md). The thread runs at BACKING_NICE: the
+kernel's page clearing is work the engine and the event loop come before. With CUDA, each CHUNK is
+pinned (cudaHostRegister) once it is backed. Per-block checksums (xxh3-64 per block and rank, taken
+at store, checked at load) live beside it.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import time
 import torch
 
 log = logging.getLogger("kvdepotd")
-CHUNK = 64 << 20  # bytes backed (and pinned) at a time
+PIECE = 2 << 20  # bytes backed per call (the memory-map lock is held that long)
+CHUNK = 64 << 20  # bytes pinned at a time with CUDA
 LOOKAHEAD = 256 << 20  # bytes kept backed beyond what the core has claimed
+BACKING_NICE = 10  # the backing thread's priority below the daemon's, as the store threads'
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
@@ -54,7 +60,7 @@ class HostArena:
         self._lock = threading.Lock()  # held while backing a chunk
         self._wake = threading.Condition()
         self._closing = False
-        self._pinned: list[int] = []
+        self._pinned: list[tuple[int, int]] = []  # (address, bytes) registered with CUDA
         self._madvise = _madvise()
         self._cuda = torch.cuda.is_available()
         if total_bytes == 0:
@@ -81,9 +87,9 @@ class HostArena:
         self._thread.start()
         self.want(0)
 
-    def want(self, claimed_bytes: int) -> None:
-        """The core has claimed `claimed_bytes` of the region: keep them and LOOKAHEAD more backed."""
-        target = min(self.total_bytes, claimed_bytes + LOOKAHEAD)
+    def want(self, upto: int) -> None:
+        """Has the thread back the region up to byte `upto` and LOOKAHEAD beyond, in the background."""
+        target = min(self.total_bytes, upto + LOOKAHEAD)
         if target <= self._target:
             return
         with self._wake:
@@ -91,13 +97,15 @@ class HostArena:
             self._wake.notify()
 
     def ensure(self, end: int) -> bool:
-        """Backs the region up to byte `end` before a copy writes there; False (see `error`) when
-        the memory cannot be had."""
+        """Backs the region up to byte `end` before a copy writes there (and has the thread stay
+        LOOKAHEAD ahead); False (see `error`) when the memory cannot be had."""
+        if end + LOOKAHEAD > self._target:
+            self.want(end)
         if end <= self.ready_bytes:
             return True
-        with self._lock:
-            while self.ready_bytes < end:
-                if not self._back_chunk():
+        while self.ready_bytes < end:
+            with self._lock:
+                if self.ready_bytes < end and not self._back_piece():
                     return False
         return True
 
@@ -107,23 +115,27 @@ class HostArena:
             raise ArenaError(self.error)
 
     def _back(self) -> None:
+        try:  # Linux: this thread's own nice value (only ever raised: no privilege needed)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + BACKING_NICE)
+        except (OSError, AttributeError):
+            pass
         while True:
             with self._wake:
                 while self._target <= self.ready_bytes and not self._closing:
                     self._wake.wait()
                 if self._closing:
                     return
-            with self._lock:
-                if self.ready_bytes < self._target and not self._back_chunk():
+            with self._lock:  # one piece at a time: a copy's ensure() waits for one piece at most
+                if self.ready_bytes < self._target and not self._back_piece():
                     with self._wake:
                         self._target = self.ready_bytes  # wait for more demand rather than spin
 
-    def _back_chunk(self) -> bool:
-        """Backs (and pins) the next chunk; under the lock."""
+    def _back_piece(self) -> bool:
+        """Backs the next piece (and pins the chunk it completes); under the lock."""
         if self.error:
             return False
         start = self.ready_bytes
-        n = min(CHUNK, self.total_bytes - start)
+        n = min(PIECE, self.total_bytes - start)
         err = 0
         if self._madvise is not None and self._madvise(self.base + start, n, MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
@@ -139,13 +151,15 @@ class HostArena:
         if self.error:
             log.error("%s; stores into the rest of the tier fail until the daemon restarts with room", self.error)
             return False
-        if self._cuda:
-            rc = torch.cuda.cudart().cudaHostRegister(self.base + start, n, 0)
+        end = start + n
+        if self._cuda and (end % CHUNK == 0 or end == self.total_bytes):
+            lo = (start // CHUNK) * CHUNK
+            rc = torch.cuda.cudart().cudaHostRegister(self.base + lo, end - lo, 0)
             if int(rc) == 0:
-                self._pinned.append(self.base + start)
+                self._pinned.append((self.base + lo, end - lo))
             elif not self._pinned:
                 log.warning("cudaHostRegister of the host tier failed (%s): copies to GPUs will be slower", rc)
-        self.ready_bytes = start + n
+        self.ready_bytes = end
         return True
 
     def close(self) -> None:
@@ -156,6 +170,6 @@ class HostArena:
             self._wake.notify()
         self._thread.join()
         with self._lock:
-            for ptr in self._pinned:
+            for ptr, _ in self._pinned:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
             self._pinned.clear()
