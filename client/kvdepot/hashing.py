@@ -5,7 +5,7 @@ Primitives:
     scope_seed(seed, *scopes) -> seed          fold daemon-side scopes (namespace, model) into a seed
     block_hashes(tokens_u32le, block_size, seed, start=0, prev=None) -> list[BlockHash]
 
-Chain (DESIGN.md): h0 = xxh3(tokens_0, seed); hi = xxh3(le_u64(h(i-1)) || le_u64(xxh3(tokens_i, seed)), seed),
+Chain (docs/design.md): h0 = xxh3(tokens_0, seed); hi = xxh3(le_u64(h(i-1)) || le_u64(xxh3(tokens_i, seed)), seed),
 tokens as little-endian u32. Only full blocks have a hash.
 """
 

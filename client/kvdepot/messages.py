@@ -88,7 +88,7 @@ WorkerEvent = OpCompleted | RequestReleased | LoadCopied
 def cached_update_needed(block_size: int, blocks: int, sent_blocks: int, computed: int, scheduled: int, sent_end: int) -> bool:
     """Whether a running request's cached update matters to the daemon: blocks were appended, a
     block completes in this step's forward, or the engine's count went back (below what it last
-    sent as computed + scheduled). Otherwise the step costs the engine no round trip (DESIGN.md)
+    sent as computed + scheduled). Otherwise the step costs the engine no round trip (docs/design.md)
     and its tokens ride along with the next update."""
     end = computed + scheduled
     return blocks > sent_blocks or end // block_size > sent_end // block_size or computed < sent_end

@@ -158,7 +158,7 @@ class BlockManagerServicer:
     def Session(self, request_iterator, context):
         """The engine path as one long-lived stream per scheduler: each SessionRequest (a Lookup or a
         Step) is answered by one SessionResponse, in order, exactly as the unary call would answer
-        it, minus gRPC's per-call setup (a quarter of an empty call's round trip; see the README). A
+        it, minus gRPC's per-call setup (a quarter of an empty call's round trip; docs/protocol.md). A
         request that fails ends the stream with the status the unary call would have returned; the
         client opens a new stream for its next call.
         """
