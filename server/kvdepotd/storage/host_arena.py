@@ -31,7 +31,7 @@ import torch
 log = logging.getLogger("kvdepotd")
 PIECE = 2 << 20  # bytes backed per call (the memory-map lock is held that long)
 CHUNK = 64 << 20  # bytes pinned at a time with CUDA
-LOOKAHEAD = 256 << 20  # bytes kept backed beyond what the core has claimed
+LOOKAHEAD = 256 << 20  # bytes kept backed beyond the furthest write
 BACKING_NICE = 10  # the backing thread's priority below the daemon's, as the store threads'
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
@@ -57,7 +57,7 @@ class HostArena:
         self.ready_bytes = 0  # [0, ready_bytes) is backed by memory (and pinned with CUDA)
         self.error = ""  # why backing more failed: copies beyond ready_bytes fail with it
         self._target = 0  # what the backing thread works towards
-        self._lock = threading.Lock()  # held while backing a chunk
+        self._lock = threading.Lock()  # held while backing a piece
         self._wake = threading.Condition()
         self._closing = False
         self._pinned: list[tuple[int, int]] = []  # (address, bytes) registered with CUDA
@@ -139,7 +139,7 @@ class HostArena:
         err = 0
         if self._madvise is not None and self._madvise(self.base + start, n, MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
-            if err == 22:  # EINVAL: a kernel without MADV_POPULATE_WRITE; zero the chunk from now on
+            if err == 22:  # EINVAL: a kernel without MADV_POPULATE_WRITE: zero the pieces from now on
                 self._madvise, err = None, 0
         if self._madvise is None:
             try:
