@@ -31,12 +31,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvdepot import DepotClient, KvLayout, StepBatch
 from kvdepot.messages import OpCompleted
-from kvdepot.testing.daemon import free_port
+from kvdepot.testing.daemon import FAST_RECONNECT, free_port
 from kvdepot.testing.kv import FakeKv
 
 # 8 KiB blocks: the disk tier's restart cost is per block (one header read each), not per byte
-# the health check retried every 10 ms, not at gRPC's default reconnect backoff (a second)
-FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10), ("grpc.max_reconnect_backoff_ms", 20)]
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=1, head_size=64, dtype="float16", block_size=16, kind="vllm_cpu")
 
 

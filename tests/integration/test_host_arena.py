@@ -6,6 +6,7 @@ instead of a SIGBUS in a copy thread."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import time
 
 import pytest
@@ -53,12 +54,7 @@ def test_a_chunk_that_cannot_be_backed_fails_ensure_with_the_reason(monkeypatch:
     try:
         assert backed_soon(arena, LOOKAHEAD)
         if kernel == "populate":
-
-            def no_room(addr: int, n: int, advice: int) -> int:
-                ctypes.set_errno(12)  # ENOMEM
-                return -1
-
-            monkeypatch.setattr(arena, "_madvise", no_room)
+            monkeypatch.setattr(host_arena, "populate_write", lambda addr, n: errno.ENOMEM)
         else:
             class Unbacked:  # what torch raises when the memory behind a write is gone
                 def narrow(self, *_: int) -> Unbacked:
@@ -67,7 +63,7 @@ def test_a_chunk_that_cannot_be_backed_fails_ensure_with_the_reason(monkeypatch:
                 def zero_(self) -> None:
                     raise RuntimeError("unable to write to file")
 
-            monkeypatch.setattr(arena, "_madvise", None)
+            monkeypatch.setattr(arena, "_populate", False)  # a kernel without MADV_POPULATE_WRITE
             monkeypatch.setattr(arena, "tensor", Unbacked())
         assert arena.ensure(LOOKAHEAD)  # what is backed stays usable
         assert not arena.ensure(arena.total_bytes)

@@ -21,10 +21,12 @@ at store, checked at load) live beside it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -40,7 +42,7 @@ class ArenaError(RuntimeError):
     """The arena cannot be set up as configured; the message says why."""
 
 
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def _bind_madvise() -> Any:
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
@@ -48,6 +50,19 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+_madvise = _bind_madvise()
+
+
+def populate_write(addr: int, nbytes: int) -> int:
+    """madvise(MADV_POPULATE_WRITE) over [addr, addr + nbytes): every page backed and mapped
+    writable, nothing written. 0, or the errno: EINVAL for a kernel before 5.14, ENOMEM or EFAULT
+    when the memory cannot be had. The kernel holds the process's memory-map lock for the call:
+    keep `nbytes` to PIECE or so."""
+    if _madvise is None:
+        return errno.ENOSYS
+    return 0 if _madvise(addr, nbytes, MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
 
 class HostArena:
@@ -61,7 +76,7 @@ class HostArena:
         self._wake = threading.Condition()
         self._closing = False
         self._pinned: list[tuple[int, int]] = []  # (address, bytes) registered with CUDA
-        self._madvise = _madvise()
+        self._populate = True  # until the kernel says it has no MADV_POPULATE_WRITE
         self._cuda = torch.cuda.is_available()
         if total_bytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)
@@ -136,12 +151,10 @@ class HostArena:
             return False
         start = self.ready_bytes
         n = min(PIECE, self.total_bytes - start)
-        err = 0
-        if self._madvise is not None and self._madvise(self.base + start, n, MADV_POPULATE_WRITE) != 0:
-            err = ctypes.get_errno()
-            if err == 22:  # EINVAL: a kernel without MADV_POPULATE_WRITE: zero the pieces from now on
-                self._madvise, err = None, 0
-        if self._madvise is None:
+        err = populate_write(self.base + start, n) if self._populate else 0
+        if err in (errno.EINVAL, errno.ENOSYS):  # a kernel without MADV_POPULATE_WRITE: zero the pieces from now on
+            self._populate, err = False, 0
+        if not self._populate:
             try:
                 self.tensor.narrow(0, start, n).zero_()  # nothing was written there yet (see ensure)
             except RuntimeError as e:

@@ -10,12 +10,10 @@ INVALID_ARGUMENT, never a crash: every address the copy engine will touch is che
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import socket
 import stat
-import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ import torch
 
 from kvdepot.layout import KvLayout, TensorMeta, block_regions
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
+from kvdepotd.storage.host_arena import PIECE, populate_write
 from kvdepotd.transfer import blockcopy
 
 SHM_DIR = "/dev/shm"
@@ -234,10 +233,6 @@ def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, 
     )
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault every page of a range in, writable
-POPULATE_CHUNK = 2 << 20
-
-
 def populate(m: RankMapping, stop: threading.Event | None = None) -> bool:
     """Faults a CPU mapping's pages in ahead of its first copy (the daemon's first touch of each
     4-KiB page of engine memory otherwise costs a page fault inside that copy). Blocks the calling
@@ -247,15 +242,13 @@ def populate(m: RankMapping, stop: threading.Event | None = None) -> bool:
     mapping can hold a Step past its deadline. False where the kernel
     cannot (before Linux 5.14, not Linux, or a GPU mapping), or once `stop` is set (the daemon is
     shutting down and must not wait for this): copies fault pages in as before."""
-    if m.device != "cpu" or not sys.platform.startswith("linux"):
+    if m.device != "cpu":
         return False
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for storage in m.storages:
         addr = storage.data_ptr()
         start, end = addr - addr % mmap.PAGESIZE, addr + storage.nbytes()
-        for lo in range(start, end, POPULATE_CHUNK):
-            if (stop is not None and stop.is_set()) or madvise(lo, min(POPULATE_CHUNK, end - lo), _MADV_POPULATE_WRITE) != 0:
+        for lo in range(start, end, PIECE):
+            if (stop is not None and stop.is_set()) or populate_write(lo, min(PIECE, end - lo)) != 0:
                 return False
     return True
 
