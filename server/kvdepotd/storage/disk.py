@@ -276,8 +276,7 @@ class ClassStore:
         longest = self.run_records() if self.record_bytes <= COALESCE_RECORD_BYTES else 1
         runs: list[list[tuple[int, Live]]] = []
         for cell, e in items:
-            last = runs[-1][-1][0] if runs else -2
-            if runs and cell == last + 1 and cell % self.blocks_per_slab and len(runs[-1]) < longest:
+            if runs and cell == runs[-1][-1][0] + 1 and cell % self.blocks_per_slab and len(runs[-1]) < longest:
                 runs[-1].append((cell, e))
             else:
                 runs.append([(cell, e)])

@@ -114,8 +114,7 @@ class HostArena:
     def ensure(self, end: int) -> bool:
         """Backs the region up to byte `end` before a copy writes there (and has the thread stay
         LOOKAHEAD ahead); False (see `error`) when the memory cannot be had."""
-        if end + LOOKAHEAD > self._target:
-            self.want(end)
+        self.want(end)
         if end <= self.ready_bytes:
             return True
         while self.ready_bytes < end:
