@@ -154,6 +154,17 @@ def test_block_table_shorter_than_positions(c: DepotClient) -> None:
     expect(c, InvalidRequest, "shorter than the 50 positions", step_with(c, lambda b: b.cached("live", list(range(10)), [], computed=40, scheduled=10)))
 
 
+def test_repeated_block_ids(c: DepotClient) -> None:
+    """Two positions of one request in one engine block would store one over the other, and another
+    engine would load the wrong KV with every checksum passing: refused, in both paths of a Step."""
+    expect(c, InvalidRequest, "block id 3 appears twice", step_with(c, lambda b: b.new("x", list(range(64)), [3, 3, 3, 3, 4], computed=0, scheduled=64)))
+    expect(c, InvalidRequest, "block id 9 appears twice", step_with(c, lambda b: b.new("x", list(range(40)), [7, 9, 9], computed=0, scheduled=40)))
+    # a running request's appended block that its table holds already (the fast path), or twice
+    expect(c, InvalidRequest, "block id 1 appears twice", step_with(c, lambda b: b.cached("live", list(range(9)), [1], computed=40, scheduled=9)))
+    expect(c, InvalidRequest, "block id 5 appears twice", step_with(c, lambda b: b.cached("live", list(range(9)), [5, 5], computed=40, scheduled=9)))
+    step_with(c, lambda b: b.cached("live", list(range(9)), [5], computed=40, scheduled=9))()  # a fresh one is fine
+
+
 def test_columns_that_do_not_line_up(c: DepotClient) -> None:
     def bad(b: StepBatch) -> None:
         b.new("x", [1, 2, 3], [0], computed=0, scheduled=3)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kvdepotd.core.errors import InvalidRequest
 from kvdepotd.core.ops import RequestId
-from kvdepotd.core.slots import MAX_ID_LEN, MAX_SCHEDULED_AHEAD, Phase, Slot, SlotUpdate, StepColumns, UpdateStyle, check_update, normalize
+from kvdepotd.core.slots import MAX_ID_LEN, MAX_SCHEDULED_AHEAD, Phase, Slot, SlotUpdate, StepColumns, UpdateStyle, check_update, normalize, repeated_block
 
 
 def check_columns(cols: StepColumns, finished: list[RequestId], preempted: list[RequestId]) -> None:
@@ -66,7 +66,13 @@ class RowPass:
                 ntok, ntable = len(toks), len(table)
                 total = (ntok >> 2) + nt
                 end = C + S
-                if C > total or end > total + MAX_SCHEDULED_AHEAD or total > max_tokens or (ntable + nb) * bs < (end if end < total else total):
+                if (
+                    C > total
+                    or end > total + MAX_SCHEDULED_AHEAD
+                    or total > max_tokens
+                    or (ntable + nb) * bs < (end if end < total else total)
+                    or (nb and repeated_block(table, block_ids[b : b + nb]) is not None)
+                ):
                     check_update(cols.row(i, t // 4, b), slot, bs, max_tokens)  # raises, saying what is wrong
                     raise AssertionError("fast-path check and check_update disagree")
                 keep((slot, ntok, ntable, slot.computed, slot.last_step))

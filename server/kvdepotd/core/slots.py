@@ -254,6 +254,18 @@ def normalize(u: SlotUpdate, style: UpdateStyle) -> SlotUpdate:
     return u
 
 
+def repeated_block(table: Sequence[int], new: Sequence[int]) -> int | None:
+    """A block id of `new` that `table` or `new` itself already holds, else None."""
+    if len(new) == 1:
+        return new[0] if new[0] in table else None
+    seen = set(table)
+    for b in new:
+        if b in seen:
+            return b
+        seen.add(b)
+    return None
+
+
 def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: int) -> None:
     """Raises a DepotError naming what is wrong; never changes anything."""
     rid = u.request_id
@@ -292,7 +304,15 @@ def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: 
         )
     if u.is_new and L > C:
         raise InvalidRequest(f"request {rid}: device_matched_tokens {L} exceeds computed_tokens {C}")
-    blocks = len(u.new_block_ids) + (0 if u.is_new or slot is None else len(slot.block_table))
+    ids = u.new_block_ids
+    if ids:
+        earlier = () if u.is_new or slot is None else slot.block_table
+        if (dup := repeated_block(earlier, ids)) is not None:
+            raise InvalidRequest(
+                f"request {rid}: block id {dup} appears twice in its block table (each position needs a block of its own: "
+                "two positions in one block would load or store one over the other)"
+            )
+    blocks = len(ids) + (0 if u.is_new or slot is None else len(slot.block_table))
     need = max(min(C + S, total), L + E)
     if blocks * block_size < need:
         raise InvalidRequest(
