@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     health.add_argument("--tls-ca", metavar="FILE", default="", help="TLS: the CA that signed the daemon's certificate (PEM)")
     health.add_argument("--tls-cert", metavar="FILE", default="", help="TLS: this client's certificate, when the daemon asks for one")
     health.add_argument("--tls-key", metavar="FILE", default="", help="TLS: the key of --tls-cert")
-    disk = sub.add_parser("check-disk", help="read every block a disk tier directory lists and check it (run it with the daemon stopped)")
+    disk = sub.add_parser("check-disk", help="read every block a disk tier directory holds and check it as start-up would (run it with the daemon stopped); exits 1 when it finds damage")
     disk.add_argument("directory")
     return p
 
@@ -60,13 +61,12 @@ def check_disk(directory: str) -> int:
 
     from kvdepotd.storage.disk_dir import verify
 
-    try:
-        result = verify(directory)
-    except OSError as e:
-        print(f"kvdepotd: cannot read {directory}: {e.strerror}", file=sys.stderr)
+    if not os.path.isdir(directory):
+        print(f"kvdepotd: {directory} is not a directory", file=sys.stderr)
         return 2
-    print(json.dumps(result))
-    return 1 if result["bad"] else 0
+    result = verify(directory)
+    print(json.dumps(result, indent=1))
+    return 1 if result["problems"] else 0
 
 
 def check_tokens(path: str) -> int:

@@ -140,21 +140,19 @@ def recover_disk(depot: Depot, store: DiskStore) -> Recovery:
     rec = Recovery()
     reasons: dict[str, int] = {}
     for meta in store.existing():
-        try:
-            cls, block_bytes, world_size = str(meta["layout_class"]), int(meta["block_bytes"]), int(meta["world_size"])  # type: ignore[call-overload]
-        except (KeyError, TypeError, ValueError):
-            log.warning("disk tier: ignoring a class directory with unreadable metadata: %r", meta)
-            continue
+        cls, block_bytes, world_size = meta["layout_class"], meta["block_bytes"], meta["world_size"]  # checked by read_meta
         budget = depot.disk_budget
         per_slab, slab_bytes = budget.slab_size_for(disk_record_bytes(block_bytes))
         got = store.recover(cls, block_bytes, world_size, per_slab, budget.free_bytes // slab_bytes)
         if not depot.restore_disk(cls, block_bytes, world_size, got.blocks):  # cannot happen after recover()'s checks
             got.dropped["could not be restored"] = len(got.blocks)
-            for h, _, slot in got.blocks:
+            for h, _, slot, _ in got.blocks:
                 store.classes[cls].forget(slot, h)
             store.classes[cls].flush_removes()
             got.blocks = []
         rec.blocks += len(got.blocks)
+        if got.bad_records:
+            log.warning("disk tier: %s: %d journal records failed their checksum and were skipped; %d blocks found again by their headers", cls, got.bad_records, got.relisted)
         for reason, n in got.dropped.items():
             reasons[reason] = reasons.get(reason, 0) + n
     rec.dropped = sum(reasons.values())

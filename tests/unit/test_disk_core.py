@@ -233,7 +233,7 @@ def test_restored_blocks_are_hits_in_a_fresh_depot() -> None:
     toks = prompt(100)
     sim.prefill_and_store("a", toks)
     jobs = run_disk(sim)
-    saved = [(it.hash, it.parent, it.disk_cell) for j in jobs for it in j.items]
+    saved = [(it.hash, it.parent, it.disk_cell, it.owner) for j in jobs for it in j.items]
     fresh = disk_sim()
     fresh_depot = fresh.depot
     assert fresh_depot.restore_disk(layout().layout_class, BLOCK, 1, saved)
@@ -243,8 +243,8 @@ def test_restored_blocks_are_hits_in_a_fresh_depot() -> None:
 
 def test_restore_refuses_slots_beyond_the_disk() -> None:
     sim = disk_sim(disk_blocks=8)
-    assert not sim.depot.restore_disk(layout().layout_class, BLOCK, 1, [(1, None, 0), (2, 1, 64)])
-    assert sim.depot.restore_disk(layout().layout_class, BLOCK, 1, [(1, None, 0), (2, 1, 7)])
+    assert not sim.depot.restore_disk(layout().layout_class, BLOCK, 1, [(1, None, 0, ""), (2, 1, 64, "")])
+    assert sim.depot.restore_disk(layout().layout_class, BLOCK, 1, [(1, None, 0, ""), (2, 1, 7, "")])
 
 
 def test_a_long_disk_load_is_cut_into_ops_that_start_as_their_blocks_arrive() -> None:

@@ -453,9 +453,13 @@ class Depot:
         return slot
 
     def block_info(self, engine_id: EngineId, h: BlockHash) -> tuple[BlockEntry | None, BlockEntry | None]:
-        """The block's host entry and disk entry."""
-        dom = self.engine(engine_id).domain
-        return dom.registry.state_of(h), dom.disk.state_of(h) if dom.disk is not None else None
+        """The block's host entry and disk entry, where the engine's namespace stored them: a hash
+        can be computed by anyone who knows (or guesses) a prompt and another namespace's name, so
+        another namespace's block is not there for this engine (None), as it is not for its lookups."""
+        eng = self.engine(engine_id)
+        dom = eng.domain
+        host, disk = dom.registry.state_of(h), dom.disk.state_of(h) if dom.disk is not None else None
+        return (host if host is not None and host.owner == eng.namespace else None), (disk if disk is not None and disk.owner == eng.namespace else None)
 
     def stats(self) -> DepotStats:
         return audit.stats(self.engines, self.domains, self.ops.ops, self.counters, self.host_budget, self.disk_budget)
@@ -492,8 +496,8 @@ class Depot:
         return d
 
     # -- the disk tier ---------------------------------------------------------------------------------
-    def restore_disk(self, layout_class: str, block_bytes: int, world_size: int, blocks: Sequence[tuple[int, int | None, int]]) -> bool:
-        """Blocks (hash, parent, disk cell) a persistent disk tier still holds at start-up (all or none)."""
+    def restore_disk(self, layout_class: str, block_bytes: int, world_size: int, blocks: Sequence[tuple[int, int | None, int, str]]) -> bool:
+        """Blocks (hash, parent, disk cell, owner) a persistent disk tier still holds at start-up (all or none)."""
         return self.disk.restore(self.domain_for(layout_class, block_bytes, world_size), blocks)
 
     @property

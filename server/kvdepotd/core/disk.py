@@ -39,7 +39,7 @@ from kvdepotd.core.registry import BlockRegistry, BlockStatus
 # The record format on disk: one header per block, then its data padded to the alignment.
 DISK_HEADER_BYTES = 4096
 DISK_ALIGN = 4096  # O_DIRECT alignment of every offset and length on disk
-DISK_MAX_RANKS = 500  # a block header holds one checksum per rank: wider engines get no disk tier
+DISK_MAX_RANKS = 256  # a block header holds one checksum per rank: wider engines get no disk tier
 DISK_POLICIES = ("write-back", "write-through")
 SEEN_CAP = 1 << 18  # hashes the admission window remembers per layout class
 
@@ -75,6 +75,7 @@ class DiskItem:
     host_cell: CellId
     host_offset: int  # where the host cell's bytes start in the host tier
     disk_cell: CellId
+    owner: str = ""  # the namespace that stored it (kept in the block's header on disk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,14 +262,14 @@ class DiskPlanner:
                     continue
                 if disk.state_of(h) is not None:
                     continue
-                dcell = disk.prepare_store(h, e.parent)
+                dcell = disk.prepare_store(h, e.parent, e.owner)
                 if dcell is None:  # the disk is full of pinned or in-flight blocks: try again later
                     self.counters["disk_full"] += 1
                     dom.demote[h] = None
                     dom.demote.move_to_end(h, last=False)
                     break
                 host.pin(h)
-                items.append(DiskItem(h, e.parent, e.cell, host.pool.byte_offset(e.cell), dcell))
+                items.append(DiskItem(h, e.parent, e.cell, host.pool.byte_offset(e.cell), dcell, e.owner))
             if not items:
                 return
             self.job(DiskJobKind.WRITE, dom, items)
@@ -276,7 +277,7 @@ class DiskPlanner:
                 return  # stopped by a full disk
 
     @staticmethod
-    def restore(dom: Domain, blocks: Sequence[tuple[int, int | None, int]]) -> bool:
-        """Blocks (hash, parent, disk cell) a persistent disk tier still holds at start-up (all or none)."""
+    def restore(dom: Domain, blocks: Sequence[tuple[int, int | None, int, str]]) -> bool:
+        """Blocks (hash, parent, disk cell, owner) a persistent disk tier still holds at start-up (all or none)."""
         assert dom.disk is not None, "restore without a disk tier"
-        return dom.disk.restore([(BlockHash(h), None if p is None else BlockHash(p), CellId(s)) for h, p, s in blocks])
+        return dom.disk.restore([(BlockHash(h), None if p is None else BlockHash(p), CellId(s), o) for h, p, s, o in blocks])

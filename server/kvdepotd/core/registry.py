@@ -250,15 +250,15 @@ class BlockRegistry:
             dropped += 1
         return dropped, len(self.entries)
 
-    def restore(self, blocks: list[tuple[BlockHash, BlockHash | None, CellId]]) -> bool:
+    def restore(self, blocks: list[tuple[BlockHash, BlockHash | None, CellId, str]]) -> bool:
         """Adds RESIDENT, unpinned entries at the given cells (all or none: False when the pool
         cannot take the cells or a hash repeats). Used once, on an empty registry, at start-up."""
         assert not self.entries, "restore into a registry that is in use"
-        if len({h for h, _, _ in blocks}) != len(blocks) or not self.pool.take([s for _, _, s in blocks]):
+        if len({b[0] for b in blocks}) != len(blocks) or not self.pool.take([b[2] for b in blocks]):
             return False
-        for h, parent, cell in blocks:
-            self.entries[h] = BlockEntry(hash=h, parent=parent, cell=cell, status=BlockStatus.RESIDENT, last_use=self._tick())
-            self.owned[""] = self.owned.get("", 0) + 1
+        for h, parent, cell, owner in blocks:
+            self.entries[h] = BlockEntry(hash=h, parent=parent, cell=cell, status=BlockStatus.RESIDENT, last_use=self._tick(), owner=owner)
+            self.owned[owner] = self.owned.get(owner, 0) + 1
             if parent is not None:
                 self._child_count[parent] = self._child_count.get(parent, 0) + 1
         for e in self.entries.values():

@@ -7,18 +7,23 @@ holds every class, its lock and check-disk's verify are kvdepotd.storage.disk_di
     <disk-dir>/<layout class>/journal          fixed-size ADD / REMOVE records, each checksummed
 
 One record on disk = a 4 KiB header (magic, generation, hash, parent, per-rank xxh3 of the data,
-a checksum of the header itself) and the block's data padded to 4 KiB, so one block is one
-aligned O_DIRECT I/O and consecutive cells are written or read with one pwritev / preadv.
+the namespace that stored it, the layout class, a checksum of the header itself) and the block's
+data padded to 4 KiB, so one block is one aligned O_DIRECT I/O and consecutive cells are written or
+read with one pwritev / preadv. A header describes its block completely: recovery can list a block
+whose journal record was lost, and rebuild a class's meta.json, from the headers alone.
 
 Crash safety (the order is the whole design):
     data first     a block's record is written (and fdatasync'ed) before its ADD goes to the journal;
     pointer second an ADD is appended only after that, so the journal never lists unwritten data;
     delete last    a dropped block gets a REMOVE at once, and a cell is rewritten only after the
                    journal holding its REMOVE was synced.
-Recovery replays the journal (a torn or bad record ends it), then reads the header of every
-listed block and drops any whose header does not say exactly what the journal said. Data is
-never repaired: a doubtful block is dropped (KV can be recomputed), and every read checks the
-data against the header's checksums before the block is served.
+Recovery (survey) replays the journal, skipping any record that fails its checksum, keeps the
+listed blocks whose records lie wholly inside their slab file (a slab cut short keeps what is
+before the cut) and whose header says exactly what the journal said. When a journal record was
+unreadable it may have been an ADD, so every unlisted cell's header is read too and each intact
+one is listed again (the newest generation of a hash wins). Data is never repaired: a doubtful
+block is dropped (KV can be recomputed), and every read checks the data against the header's
+checksums before the block is served, so a block listed again that was once removed is harmless.
 
 Thread safety: reads, writes and journal I/O run on the disk copy engine's threads (journal I/O
 under one lock); forget() runs on the event loop and only queues the REMOVE under a short lock
@@ -47,11 +52,14 @@ from kvdepotd.storage.checksum import xxh3_at, xxh3_bytes
 
 log = logging.getLogger("kvdepotd")
 
-FORMAT_VERSION = 1
-MAGIC = b"KVDPBLK1"
-# magic, generation, hash, parent, has_parent, ranks, data bytes; then ranks x u64 checksums, then u64 header checksum
-_HEAD = struct.Struct("<8sQQQB3xIQ")
-MAX_RANKS = (DISK_HEADER_BYTES - _HEAD.size - 8) // 8
+FORMAT_VERSION = 2
+MAGIC = b"KVDPBLK2"
+# magic, generation, hash, parent, has_parent, ranks, data bytes, owner bytes, class bytes; then ranks x
+# u64 checksums, the owner (namespace) and the layout class in UTF-8, then u64 header checksum
+_HEAD = struct.Struct("<8sQQQB3xIQHH")
+MAX_OWNER_BYTES = 1024  # 256 characters of UTF-8 (core.slots.MAX_ID_LEN)
+MAX_CLASS_BYTES = 256
+MAX_RANKS = (DISK_HEADER_BYTES - _HEAD.size - 8 - MAX_OWNER_BYTES - MAX_CLASS_BYTES) // 8
 assert MAX_RANKS >= DISK_MAX_RANKS, "the core plans disk blocks for engines whose checksums do not fit a header"
 # kind, cell, generation, hash, parent, has_parent; then u64 checksum of those bytes
 _REC = struct.Struct("<BQQQQB")
@@ -76,14 +84,58 @@ class Live:
     gen: int
 
 
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What a block's header says (parse_header)."""
+
+    gen: int
+    hash: int
+    parent: int | None
+    sums: list[int]  # xxh3 of each rank's part of the data
+    block_bytes: int
+    owner: str  # the namespace whose engine stored it
+    layout_class: str
+
+
 @dataclass(slots=True)
 class Recovered:
     """What start-up found for one layout class."""
 
     layout_class: str
     block_bytes: int
-    blocks: list[tuple[int, int | None, int]]  # (hash, parent, cell)
+    blocks: list[tuple[int, int | None, int, str]]  # (hash, parent, cell, owner)
     dropped: dict[str, int] = field(default_factory=dict)  # reason -> blocks
+    relisted: int = 0  # blocks the journal had lost, listed again from their headers
+    bad_records: int = 0  # journal records that failed their checksum (skipped)
+
+
+@dataclass(slots=True)
+class Survey:
+    """A class directory read without changing it (ClassStore.survey): what recovery keeps."""
+
+    live: dict[int, Live]  # cell -> block, each with an intact header that says so
+    owners: dict[int, str]  # cell -> the namespace that stored it
+    dropped: dict[str, int]  # reason -> blocks given up
+    bad_records: int  # journal records that failed their checksum (skipped)
+    relisted: int  # unlisted cells whose intact header listed them again
+
+
+def parse_header(raw: bytes) -> Header | None:
+    """A block header, or None when it is not an intact one (any class)."""
+    try:
+        magic, gen, h, parent, has_parent, ranks, nbytes, olen, clen = _HEAD.unpack_from(raw)
+        if magic != MAGIC or ranks > MAX_RANKS or olen > MAX_OWNER_BYTES or clen > MAX_CLASS_BYTES:
+            return None
+        end = _HEAD.size + 8 * ranks + olen + clen
+        (want,) = struct.unpack_from("<Q", raw, end)
+        if xxh3_bytes(bytes(raw[:end])) != want:
+            return None
+        sums = list(struct.unpack_from(f"<{ranks}Q", raw, _HEAD.size))
+        names = bytes(raw[_HEAD.size + 8 * ranks : end])
+        owner, layout_class = names[:olen].decode(), names[olen:].decode()
+    except (struct.error, UnicodeDecodeError):
+        return None
+    return Header(gen, h, parent if has_parent else None, sums, nbytes, owner, layout_class)
 
 
 def class_dir_name(layout_class: str) -> str:
@@ -101,7 +153,10 @@ def _view(addr: int, nbytes: int) -> ctypes.Array[ctypes.c_char]:
 class ClassStore:
     """The files of one layout class."""
 
-    def __init__(self, root: str, layout_class: str, block_bytes: int, world_size: int, blocks_per_slab: int, direct: bool) -> None:
+    def __init__(
+        self, root: str, layout_class: str, block_bytes: int, world_size: int, blocks_per_slab: int, direct: bool, read_only: bool = False
+    ) -> None:
+        """`read_only`: only survey() and reads (check-disk): files are opened for reading and never extended."""
         if world_size > MAX_RANKS:
             raise DiskError(f"layout class {layout_class}: {world_size} ranks do not fit a block header (at most {MAX_RANKS})")
         self.layout_class = layout_class
@@ -111,7 +166,11 @@ class ClassStore:
         self.record_bytes = disk_record_bytes(block_bytes)
         self.blocks_per_slab = blocks_per_slab
         self.direct = direct
+        self.read_only = read_only
         self.dir = os.path.join(root, class_dir_name(layout_class))
+        self._class_name = layout_class.encode()
+        if len(self._class_name) > MAX_CLASS_BYTES:
+            raise DiskError(f"layout class {layout_class[:64]!r}... is longer than a block header holds ({MAX_CLASS_BYTES} bytes)")
         self.live: dict[int, Live] = {}  # cell -> what the journal lists there
         self.gen = 1
         self._lock = threading.Lock()  # live, gen, pending removals: held for no I/O
@@ -150,6 +209,8 @@ class ClassStore:
 
     def _open_slab(self, slab: int) -> int:
         path = self.slab_path(slab)
+        if self.read_only:
+            return os.open(path, os.O_RDONLY)
         size = self.blocks_per_slab * self.record_bytes
         flags = os.O_RDWR | os.O_CREAT
         if self.direct:
@@ -189,27 +250,23 @@ class ClassStore:
         return self.block_bytes % DISK_ALIGN == 0
 
     # -- headers and journal records ---------------------------------------------------------------
-    def _header(self, buf: mmap.mmap, at: int, gen: int, h: int, parent: int | None, sums: list[int]) -> None:
-        head = _HEAD.pack(MAGIC, gen, h, parent or 0, parent is not None, len(sums), self.block_bytes)
-        body = head + struct.pack(f"<{len(sums)}Q", *sums)
+    def _header(self, buf: mmap.mmap, at: int, gen: int, h: int, parent: int | None, sums: list[int], owner: str) -> None:
+        o = owner.encode()[:MAX_OWNER_BYTES]
+        head = _HEAD.pack(MAGIC, gen, h, parent or 0, parent is not None, len(sums), self.block_bytes, len(o), len(self._class_name))
+        body = head + struct.pack(f"<{len(sums)}Q", *sums) + o + self._class_name
         buf[at : at + len(body) + 8] = body + struct.pack("<Q", xxh3_bytes(body))
 
-    def parse_header(self, raw: bytes) -> tuple[int, int, int | None, list[int]] | None:
-        """(generation, hash, parent, rank checksums), or None when the header is not intact."""
-        magic, gen, h, parent, has_parent, ranks, nbytes = _HEAD.unpack_from(raw)
-        if magic != MAGIC or ranks != self.world_size or nbytes != self.block_bytes:
+    def parse_header(self, raw: bytes) -> Header | None:
+        """The header, or None when it is not an intact header of this class."""
+        head = parse_header(raw)
+        if head is None or len(head.sums) != self.world_size or head.block_bytes != self.block_bytes or head.layout_class != self.layout_class:
             return None
-        end = _HEAD.size + 8 * ranks
-        (want,) = struct.unpack_from("<Q", raw, end)
-        if xxh3_bytes(bytes(raw[:end])) != want:
-            return None
-        sums = list(struct.unpack_from(f"<{ranks}Q", raw, _HEAD.size))
-        return gen, h, (parent if has_parent else None), sums
+        return head
 
     @staticmethod
-    def _says(head: tuple[int, int, int | None, list[int]] | None, e: Live | None, h: int) -> bool:
+    def _says(head: Header | None, e: Live | None, h: int) -> bool:
         """The header says what the journal lists for block `h`: its generation, hash and parent."""
-        return head is not None and e is not None and e.hash == h and head[:3] == (e.gen, e.hash, e.parent)
+        return head is not None and e is not None and e.hash == h and (head.gen, head.hash, head.parent) == (e.gen, e.hash, e.parent)
 
     def _data_ok(self, addr: int, sums: list[int]) -> bool:
         """The block's data at `addr` matches the header's per-rank checksums."""
@@ -233,88 +290,111 @@ class ClassStore:
         self._journal_fd = os.open(os.path.join(self.dir, JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def recover(self, max_slabs: int) -> Recovered:
-        """Reads what the files hold, keeps what can be trusted, rewrites the journal compactly."""
-        out = Recovered(self.layout_class, self.block_bytes, [])
-        dropped = out.dropped
-        entries = self._replay(dropped)
+        """Keeps what the files hold that can be trusted (survey), drops slab files past
+        `max_slabs`, rewrites the journal compactly."""
+        got = self.survey(max_slabs)
+        for slab in [s for s in self._slab_files() if s >= max_slabs]:
+            os.unlink(self.slab_path(slab))
+        self.live = got.live
+        self.gen = max((e.gen for e in got.live.values()), default=0) + 1
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self._rewrite_journal()
+        blocks = [(e.hash, e.parent, cell, got.owners.get(cell, "")) for cell, e in got.live.items()]
+        return Recovered(self.layout_class, self.block_bytes, blocks, got.dropped, got.relisted, got.bad_records)
+
+    def survey(self, max_slabs: int) -> Survey:
+        """What recovery would keep, reading the files and changing nothing (check-disk uses it too)."""
+        dropped: dict[str, int] = {}
+
+        def drop(reason: str) -> None:
+            dropped[reason] = dropped.get(reason, 0) + 1
+
+        entries, bad_records = self._replay()
         slabs = self._slab_files()
-        size = self.blocks_per_slab * self.record_bytes
+        R = self.record_bytes
         for cell in list(entries):
-            slab = cell // self.blocks_per_slab
+            slab, index = divmod(cell, self.blocks_per_slab)
             if slab >= max_slabs:
                 reason = "over the configured size"
-            elif slabs.get(slab) != size:
-                reason = "slab file missing or cut short"
+            elif slab not in slabs:
+                reason = "slab file missing"
+            elif (index + 1) * R > slabs[slab]:
+                reason = "slab file cut short before it"
             else:
                 continue
             del entries[cell]
-            dropped[reason] = dropped.get(reason, 0) + 1
-        for slab in [s for s in slabs if s >= max_slabs]:
-            os.unlink(self.slab_path(slab))
+            drop(reason)
+        unlisted: set[int] = set()
+        if bad_records:  # a lost ADD: look for intact blocks in every cell the journal does not list
+            for slab, size in slabs.items():
+                if slab < max_slabs:
+                    first = slab * self.blocks_per_slab
+                    unlisted.update(c for c in range(first, first + min(self.blocks_per_slab, size // R)) if c not in entries)
+        heads = self._headers(sorted([*entries, *unlisted]))
+        for cell in list(entries):
+            if not self._says(heads.get(cell), entries[cell], entries[cell].hash):
+                del entries[cell]
+                drop("header does not match the journal")
+        relisted = 0
+        for cell in sorted(unlisted):
+            if (head := heads.get(cell)) is not None:
+                entries[cell] = Live(head.hash, head.parent, head.gen)
+                relisted += 1
         by_hash: dict[int, int] = {}
         for cell, e in sorted(entries.items(), key=lambda kv: kv[1].gen):
             if (old := by_hash.get(e.hash)) is not None:  # listed twice: keep the newer
                 del entries[old]
-                dropped["listed twice"] = dropped.get("listed twice", 0) + 1
+                drop("listed twice")
+                relisted -= old in unlisted
             by_hash[e.hash] = cell
-        for cell in self._bad_headers(entries):
-            del entries[cell]
-            dropped["header does not match the journal"] = dropped.get("header does not match the journal", 0) + 1
-        self.live = entries
-        self.gen = max((e.gen for e in entries.values()), default=0) + 1
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        self._rewrite_journal()
-        out.blocks = [(e.hash, e.parent, cell) for cell, e in entries.items()]
-        return out
+        owners = {cell: h.owner for cell in entries if (h := heads.get(cell)) is not None}
+        return Survey(entries, owners, dropped, bad_records, relisted)
 
-    def _bad_headers(self, entries: dict[int, Live]) -> list[int]:
-        """The listed cells whose header does not say what the journal does. Small records are read
-        in runs of consecutive cells, one preadv each (the headers kept, the data dropped): a disk
-        streams them far faster than it answers one small read per block. Larger ones are read
-        header by header. RECOVERY_THREADS reads are in flight at a time."""
-        items = sorted(entries.items())
+    def _headers(self, cells: list[int]) -> dict[int, Header | None]:
+        """The parsed header of each cell (sorted), None where unreadable or not intact. Small records
+        are read in runs of consecutive cells, one preadv each (the headers kept, the data dropped):
+        a disk streams them far faster than it answers one small read per block. Larger ones are
+        read header by header. RECOVERY_THREADS reads are in flight at a time."""
         longest = self.run_records() if self.record_bytes <= COALESCE_RECORD_BYTES else 1
-        runs: list[list[tuple[int, Live]]] = []
-        for cell, e in items:
-            if runs and cell == runs[-1][-1][0] + 1 and cell % self.blocks_per_slab and len(runs[-1]) < longest:
-                runs[-1].append((cell, e))
+        runs: list[list[int]] = []
+        for cell in cells:
+            if runs and cell == runs[-1][-1] + 1 and cell % self.blocks_per_slab and len(runs[-1]) < longest:
+                runs[-1].append(cell)
             else:
-                runs.append([(cell, e)])
+                runs.append([cell])
 
-        def bad(part: list[list[tuple[int, Live]]]) -> list[int]:
-            out = []
-            for run in part:
-                heads = self._read_headers(run[0][0], len(run))
-                out += [cell for (cell, e), head in zip(run, heads) if not self._says(head, e, e.hash)]
-            return out
+        def read(part: list[list[int]]) -> list[tuple[int, Header | None]]:
+            return [pair for run in part for pair in zip(run, self._read_headers(run[0], len(run)))]
 
         step = max(1, -(-len(runs) // RECOVERY_THREADS))
         parts = [runs[k : k + step] for k in range(0, len(runs), step)]
         if len(parts) <= 1:
-            return bad(runs)
+            return dict(read(runs))
         with ThreadPoolExecutor(len(parts), thread_name_prefix="kvdepot-recover") as pool:
-            return [cell for cells in pool.map(bad, parts) for cell in cells]
+            return {cell: head for got in pool.map(read, parts) for cell, head in got}
 
-    def _replay(self, dropped: dict[str, int]) -> dict[int, Live]:
+    def _replay(self) -> tuple[dict[int, Live], int]:
+        """What the journal lists (cell -> block) and how many of its records failed their checksum
+        (skipped: one bad record costs at most the block it described; a torn tail is no record)."""
         entries: dict[int, Live] = {}
         try:
             with open(os.path.join(self.dir, JOURNAL), "rb") as f:
                 data = f.read()
         except FileNotFoundError:
-            return entries
-        n = len(data) // REC_BYTES
-        for k in range(n):
+            return entries, 0
+        bad = 0
+        for k in range(len(data) // REC_BYTES):
             rec = data[k * REC_BYTES : (k + 1) * REC_BYTES]
             body = rec[: _REC.size]
             if struct.unpack_from("<Q", rec, _REC.size)[0] != xxh3_bytes(body):
-                dropped["journal ends in a bad record"] = dropped.get("journal ends in a bad record", 0) + (n - k)
-                break
+                bad += 1
+                continue
             kind, cell, gen, h, parent, has_parent = _REC.unpack(body)
             if kind == ADD:
                 entries[cell] = Live(h, parent if has_parent else None, gen)
             elif kind == REMOVE and (e := entries.get(cell)) is not None and e.hash == h:
                 del entries[cell]
-        return entries
+        return entries, bad
 
     def _slab_files(self) -> dict[int, int]:
         out: dict[int, int] = {}
@@ -328,7 +408,7 @@ class ClassStore:
                 out[int(m.group(1))] = os.stat(os.path.join(self.dir, name)).st_size
         return out
 
-    def _read_headers(self, first: int, count: int) -> list[tuple[int, int, int | None, list[int]] | None]:
+    def _read_headers(self, first: int, count: int) -> list[Header | None]:
         """The parsed headers of cells first .. first + count - 1 (one slab), None where unreadable."""
         heads, _ = self._bufs()
         slab, index = divmod(first, self.blocks_per_slab)
@@ -360,8 +440,8 @@ class ClassStore:
         self._records = len(live)
 
     # -- the data path (copy threads) ----------------------------------------------------------------
-    def write(self, blocks: Sequence[tuple[int, int, int | None, int, list[int]]]) -> set[int]:
-        """(cell, hash, parent, source address, rank checksums) per block: writes the records, then
+    def write(self, blocks: Sequence[tuple[int, int, int | None, int, list[int], str]]) -> set[int]:
+        """(cell, hash, parent, source address, rank checksums, owner) per block: writes the records, then
         lists them in the journal. Returns the hashes that could not be written."""
         self.flush_removes()  # delete last: removals are durable before any cell is rewritten
         failed: set[int] = set()
@@ -422,8 +502,8 @@ class ClassStore:
             with self._lock:
                 want = self.live.get(cell)
             head = self.parse_header(raw)
-            if head is not None and self._says(head, want, h) and (not data or self._data_ok(addr, head[3])):
-                sums[h] = head[3]
+            if head is not None and self._says(head, want, h) and (not data or self._data_ok(addr, head.sums)):
+                sums[h] = head.sums
             else:
                 corrupt.add(h)
                 self.forget(cell, h)
@@ -451,12 +531,12 @@ class ClassStore:
         heads, bounce = self._bufs()
         H, R, B = DISK_HEADER_BYTES, self.record_bytes, self.block_bytes
         iov: list[object] = []
-        for k, ((_, h, parent, addr, sums), gen) in enumerate(zip(run, gens)):
+        for k, ((_, h, parent, addr, sums, owner), gen) in enumerate(zip(run, gens)):
             if bounce is None:
-                self._header(heads, k * H, gen, h, parent, sums)
+                self._header(heads, k * H, gen, h, parent, sums, owner)
                 iov += [memoryview(heads)[k * H : (k + 1) * H], _view(addr, B)]
             else:
-                self._header(bounce, k * R, gen, h, parent, sums)
+                self._header(bounce, k * R, gen, h, parent, sums, owner)
                 ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(bounce, k * R + H)), addr, B)
         if bounce is not None:
             iov = [memoryview(bounce)[: len(run) * R]]

@@ -116,7 +116,7 @@ class DiskCopyEngine:
             sums = [arena.checksums.get((cls, it.host_cell, r)) for r in range(store.world_size)]
             # Every host block has its checksums (its store or its disk read took them); one without
             # would be hashed here rather than written unchecked.
-            blocks.append((it.disk_cell, it.hash, it.parent, addr, [s if s is not None else int(xxh3_at(addr + r * rb, rb)) for r, s in enumerate(sums)]))
+            blocks.append((it.disk_cell, it.hash, it.parent, addr, [s if s is not None else int(xxh3_at(addr + r * rb, rb)) for r, s in enumerate(sums)], it.owner))
         failed = store.write(blocks) if blocks else set()
         store.maybe_compact()
         return self._observe(job, store, (failed, set(), "disk write failed" if failed else ""), t0)
