@@ -4,7 +4,7 @@ from kvdepot.aio import AsyncDepotClient
 from kvdepot.client import DEFAULT_ADDRESS, DepotClient
 from kvdepot.worker import WorkerLink
 from kvdepot.auth import read_token
-from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, Unauthenticated, Unavailable
+from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable
 from kvdepot.hashing import BlockHash, block_hashes, salt_hash
 from kvdepot.layout import KvLayout
 from kvdepot.messages import LoadCopied, LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
@@ -30,6 +30,7 @@ __all__ = [
     "StepResult",
     "Tls",
     "Unauthenticated",
+    "ResourceExhausted",
     "Unavailable",
     "WorkerLink",
     "block_hashes",

@@ -35,6 +35,12 @@ class PermissionDenied(DepotError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
+class ResourceExhausted(InvalidRequest):
+    """A cap the daemon's operator set is reached (the message names it): slots, lookup pins, sizes."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Unavailable(DepotError):
     """The daemon did not answer in time or is not running: for the engine, a cache miss."""
 
@@ -44,7 +50,7 @@ class Unavailable(DepotError):
 _BY_CODE: dict[grpc.StatusCode, type[DepotError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.OUT_OF_RANGE: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,

@@ -131,15 +131,26 @@ class WorkerLink:
                 self._cond.wait(timeout_s)
             return bool(self._events)
 
-    def wait(self, done: Callable[[list[m.WorkerEvent]], bool], timeout_s: float) -> list[m.WorkerEvent]:
-        """Collects events until `done(collected)` or the timeout; returns what was collected."""
+    def wait(self, done: Callable[[list[m.WorkerEvent]], bool], timeout_s: float, detached_grace_s: float | None = None) -> list[m.WorkerEvent]:
+        """Collects events until `done(collected)` or the timeout; returns what was collected. With
+        `detached_grace_s`, also gives up once the stream has been down that long (the daemon died
+        or was restarted: what it did not report, it will not)."""
         end = time.monotonic() + timeout_s
         got: list[m.WorkerEvent] = []
+        detached_since: float | None = None
         while True:
             got += self.poll()
             if done(got):
                 return got
-            left = end - time.monotonic()
+            now = time.monotonic()
+            if detached_grace_s is not None:
+                if self.attached.is_set():
+                    detached_since = None
+                elif detached_since is None:
+                    detached_since = now
+                elif now - detached_since > detached_grace_s:
+                    return got
+            left = end - now
             if left <= 0:
                 return got
             self.wait_for_events(min(left, 0.05))

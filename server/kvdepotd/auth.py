@@ -61,9 +61,14 @@ OPEN = Caller("", admin=True)
 
 
 class Tokens:
-    def __init__(self, callers: dict[str, Caller], source: str = "") -> None:
+    def __init__(self, callers: dict[str, Caller], source: str = "", scrapers: frozenset[str] = frozenset()) -> None:
         self._callers = callers
         self.source = source
+        self._scrapers = scrapers  # tokens that may read /metrics and nothing else
+
+    def may_scrape(self, token: str | None) -> bool:
+        """A metrics token or an admin token: /metrics names every namespace."""
+        return token is not None and (token in self._scrapers or ((c := self._callers.get(token)) is not None and c.admin))
 
     @property
     def namespaces(self) -> set[str]:
@@ -79,7 +84,7 @@ class Tokens:
     def summary(self) -> str:
         """Whom the tokens speak for, for the log and check-config: "(namespaces 'a', 'b'; 1 admin)"."""
         names = ", ".join(repr(n) for n in sorted(self.namespaces)) or "none"
-        return f"(namespaces {names}; {self.admin_tokens} admin)"
+        return f"(namespaces {names}; {self.admin_tokens} admin; {len(self._scrapers)} metrics)"
 
     def caller(self, metadata: Iterable[tuple[str, Any]] | None) -> Caller:
         token = bearer(metadata)
@@ -87,6 +92,8 @@ class Tokens:
             raise Unauthenticated("this daemon requires a token: send the metadata 'authorization: Bearer <token>'")
         c = self._callers.get(token)
         if c is None:
+            if token in self._scrapers:
+                raise PermissionDenied("a metrics token reads /metrics and nothing else")
             raise Unauthenticated("the token is not one this daemon knows")
         return c
 
@@ -107,9 +114,9 @@ class Tokens:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise AuthError(f"{source} is not valid TOML: {e}") from None
-        unknown = sorted(set(data) - {"admin", "namespaces"})
+        unknown = sorted(set(data) - {"admin", "metrics", "namespaces"})
         if unknown:
-            raise AuthError(f"{source}: unknown keys {unknown}; it holds 'admin' and a [namespaces] table")
+            raise AuthError(f"{source}: unknown keys {unknown}; it holds 'admin', 'metrics' and a [namespaces] table")
         namespaces = data.get("namespaces", {})
         if not isinstance(namespaces, dict):
             raise AuthError(f"{source}: 'namespaces' must be a table of namespace = token(s)")
@@ -125,7 +132,10 @@ class Tokens:
                 callers[token] = caller
         if not callers:
             raise AuthError(f"{source} lists no tokens: the daemon would refuse every caller")
-        return Tokens(callers, source)
+        scrapers = _token_list(data.get("metrics", []), f"{source}: metrics")
+        if repeated := set(scrapers) & set(callers):
+            raise AuthError(f"{source}: metrics repeats a token given before ({len(repeated)} of them; each token speaks for one caller)")
+        return Tokens(callers, source, frozenset(scrapers))
 
 
 def _token_list(value: Any, where: str) -> list[str]:

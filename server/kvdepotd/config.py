@@ -46,6 +46,12 @@ class DaemonConfig:
     shm_paths: bool = True
     eviction_policy: str = "leaf-lru"
     namespace_host_share: float = 1.0
+    max_slots_per_engine: int = 8192
+    max_slots_per_namespace: int = 32768
+    max_pins_per_engine: int = 8192
+    max_pins_per_namespace: int = 32768
+    max_pin_tokens_per_namespace: int = 64 << 20
+    max_rank_gib: float = 0.0
     drain_grace_s: float = 10.0
     log_level: str = "info"
     log_format: str = "text"
@@ -63,6 +69,12 @@ class DaemonConfig:
     @property
     def host_bytes(self) -> int:
         return int(self.host_gib * (1 << 30))
+
+    @property
+    def max_rank_bytes(self) -> int:
+        if self.max_rank_gib:
+            return int(self.max_rank_gib * (1 << 30))
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
     @property
     def disk_bytes(self) -> int:
@@ -110,6 +122,16 @@ HELP: dict[str, str] = {
     "namespace_host_share": "most of the host tier one namespace (tenant) may hold, as a fraction: a namespace at its "
     "share evicts its own least recently used blocks to store more, so one tenant cannot flush the others' blocks "
     "out. 1 (the default): no limit",
+    "max_slots_per_engine": "most requests one engine may have in flight at the daemon (new ones past it make the "
+    "Step RESOURCE_EXHAUSTED, naming the cap). Default 8192",
+    "max_slots_per_namespace": "most requests all engines of one namespace (tenant) may have in flight. Default 32768",
+    "max_pins_per_engine": "most Lookup pins one engine may hold (a pin lasts until its request starts or finishes, "
+    "or pin_ms). Default 8192",
+    "max_pins_per_namespace": "most Lookup pins all engines of one namespace may hold. Default 32768",
+    "max_pin_tokens_per_namespace": "most prompt tokens the Lookup pins of one namespace may keep (about 8 bytes of "
+    "daemon memory a token). Default 67108864",
+    "max_rank_gib": "most CPU memory one worker rank may register, in GiB, and the largest file or memfd behind it "
+    "(only the registered range is ever mapped). 0 (the default): the machine's memory",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
     "log_level": "debug, info, warning or error. Default info",
     "log_format": "text (one line per record) or json (one JSON object per line: time, level, logger, message, and "
@@ -233,6 +255,12 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "host_prealloc": _bool,
     "eviction_policy": _choice("leaf-lru"),
     "namespace_host_share": _fraction,
+    "max_slots_per_engine": _positive("max_slots_per_engine", int),
+    "max_slots_per_namespace": _positive("max_slots_per_namespace", int),
+    "max_pins_per_engine": _positive("max_pins_per_engine", int),
+    "max_pins_per_namespace": _positive("max_pins_per_namespace", int),
+    "max_pin_tokens_per_namespace": _positive("max_pin_tokens_per_namespace", int),
+    "max_rank_gib": _positive("max_rank_gib", float, allow_zero=True),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),
     "log_format": _choice("text", "json"),

@@ -5,12 +5,13 @@ from __future__ import annotations
 import grpc
 
 from kvdepotd.auth import PermissionDenied, Unauthenticated
-from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
+from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 
 STATUS: dict[type[DepotError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }

@@ -13,7 +13,15 @@ memory it was given, not a file it opened by name, so:
 
 Wire format (see HandoffRequest in the proto): frames as on the lane, a request carries its
 descriptors in the same sendmsg, one answer per request. Connections are rare (one per worker
-registration) and short: each is served on its own thread, with a timeout, off the event loop.
+registration) and short. One thread serves them all with non-blocking sockets (never the event
+loop), so a connection that sends nothing holds no thread and makes nobody wait:
+- each connection must deliver a whole request within REQUEST_TIMEOUT_S of connecting or of its
+  last answer, else it is closed;
+- the peer's uid (SO_PEERCRED, checked at accept) may hold PER_UID connections: one more closes
+  that uid's oldest connection still waiting for a request, so an idle or slow peer can starve
+  only connections of its own user;
+- at most MAX_CONNECTIONS in all: a new one closes the oldest waiting one of the uid holding the
+  most, so a worker's handoff gets in however many idle connections others opened.
 
     Handoffs(tokens)          tokens(): the daemon's current Tokens, or None without an auth_file
     .listen(grpc_address)     opens unix:PATH.handoff beside a unix:PATH address; returns its address
@@ -28,8 +36,10 @@ import fcntl
 import logging
 import os
 import secrets
+import selectors
 import socket
 import stat
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -51,8 +61,9 @@ MAX_FDS = 250  # the kernel passes at most 253 per message
 MAX_REQUEST = 4096
 TTL_S = 60.0  # an unclaimed descriptor is closed after this long
 MAX_PENDING = 4096
-MAX_CONNECTIONS = 32
-TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 256  # connections open at once (an idle one costs a descriptor, no thread)
+PER_UID = 16  # of which one peer user may hold
+REQUEST_TIMEOUT_S = 2.0  # to deliver a whole request, from connecting or from the last answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,28 @@ def doorbell(fd: int) -> bool:
         return False
 
 
+@dataclass(slots=True)
+class _Conn:
+    sock: socket.socket
+    uid: int
+    pid: int
+    opened: float
+    deadline: float  # a whole request by then, or the connection is closed
+    buf: bytearray
+    fds: list[int]  # descriptors that came with the request so far
+
+    def drop_fds(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+def peer_of(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a unix socket."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
 class Refused(Exception):
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
@@ -97,10 +130,15 @@ class Handoffs:
         self._max_pending = max_pending
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._sel = selectors.DefaultSelector()
+        self._conns: dict[int, _Conn] = {}  # fileno -> connection (the serving thread's alone)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread: threading.Thread | None = None
         self._listeners: list[socket.socket] = []
         self._closed = False
         self.addresses: list[str] = []
+        self.evicted = 0  # connections closed to make room, or for missing their deadline
 
     def listen(self, grpc_address: str) -> str:
         path = unix_path(grpc_address) + ".handoff"
@@ -108,12 +146,18 @@ class Handoffs:
         try:
             sock.bind(path)
             sock.listen(64)
+            sock.setblocking(False)
         except OSError:
             sock.close()
             raise
         self._listeners.append(sock)
         self.addresses.append(f"unix:{path}")
-        threading.Thread(target=self._accept, args=(sock,), name="kvdepotd-handoff", daemon=True).start()
+        self._sel.register(sock, selectors.EVENT_READ, sock)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvdepotd-handoff", daemon=True)
+            self._thread.start()
+        else:
+            self._wake_w.send(b"x")  # the loop picks up the new listener
         return f"unix:{path}"
 
     def claim(self, handoff_id: str, namespace: str) -> int:
@@ -135,78 +179,125 @@ class Handoffs:
 
     def close(self) -> None:
         self._closed = True
+        self._wake_w.send(b"x")
+        if self._thread is not None:
+            self._thread.join(5)
         for sock in self._listeners:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the accept()
-            except OSError:
-                pass
             sock.close()
         with self._lock:
             held, self._held = list(self._held.values()), {}
         for h in held:
             os.close(h.fd)
 
-    # -- serving --------------------------------------------------------------------------------
-    def _accept(self, sock: socket.socket) -> None:
-        while not self._closed:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()  # too many at once: the worker tries again with its next registration
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="kvdepotd-handoff-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    # -- serving (one thread, non-blocking sockets) ------------------------------------------------
+    def _loop(self) -> None:
         try:
-            conn.settimeout(TIMEOUT_S)
             while not self._closed:
-                try:
-                    got = self._receive(conn)
-                except Refused as e:
-                    conn.sendall(error_frame(e.code, str(e)))
-                    return  # the stream may be out of step: end it
-                if got is None:
-                    return
-                body, fds = got
-                try:
-                    ids = self._hold(body, fds)
-                except Refused as e:
-                    conn.sendall(error_frame(e.code, str(e)))
-                    continue
-                conn.sendall(ok_frame(pb.HandoffResponse(ids=ids).SerializeToString()))
-        except OSError:
-            pass  # the worker went away or was too slow
+                now = time.monotonic()
+                wait = min((c.deadline for c in self._conns.values()), default=now + 1.0) - now
+                for key, _ in self._sel.select(max(0.0, min(wait, 1.0))):
+                    if key.fileobj is self._wake_r:
+                        self._wake_r.recv(64)
+                    elif key.data is not None:
+                        self._accept(key.data)
+                    elif (c := self._conns.get(key.fd)) is not None:
+                        self._readable(c)
+                now = time.monotonic()
+                for c in [c for c in self._conns.values() if c.deadline <= now]:
+                    self.evicted += 1
+                    self._end(c)  # too slow to send a request: its place goes to others
         finally:
-            conn.close()
-            self._slots.release()
+            for c in list(self._conns.values()):
+                self._end(c)
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        try:
+            pid, uid = peer_of(sock)
+        except OSError:
+            sock.close()
+            return
+        sock.setblocking(False)
+        now = time.monotonic()
+        mine = [c for c in self._conns.values() if c.uid == uid]
+        if len(mine) >= PER_UID:
+            self._make_room(mine, f"uid {uid} holds {len(mine)} handoff connections (at most {PER_UID})")
+        elif len(self._conns) >= MAX_CONNECTIONS:
+            by_uid: dict[int, list[_Conn]] = {}
+            for c in self._conns.values():
+                by_uid.setdefault(c.uid, []).append(c)
+            self._make_room(max(by_uid.values(), key=len), f"{len(self._conns)} handoff connections are open (at most {MAX_CONNECTIONS})")
+        c = _Conn(sock, uid, pid, now, now + REQUEST_TIMEOUT_S, bytearray(), [])
+        self._conns[sock.fileno()] = c
+        self._sel.register(sock, selectors.EVENT_READ, None)
+
+    def _make_room(self, among: list[_Conn], why: str) -> None:
+        """Closes the oldest connection of `among`, one that is still waiting for a request first."""
+        victim = min(among, key=lambda c: (bool(c.buf), c.opened))
+        self.evicted += 1
+        log.warning("handoff: %s: closing the oldest waiting one (pid %d)", why, victim.pid)
+        self._end(victim)
+
+    def _end(self, c: _Conn) -> None:
+        self._conns.pop(c.sock.fileno(), None)
+        try:
+            self._sel.unregister(c.sock)
+        except (KeyError, ValueError):
+            pass
+        c.drop_fds()
+        c.sock.close()
+
+    def _readable(self, c: _Conn) -> None:
+        try:
+            data, fds, flags, _ = socket.recv_fds(c.sock, MAX_REQUEST + FRAME.size - len(c.buf), MAX_FDS)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._end(c)
+            return
+        c.fds += fds
+        if not data:  # the end of the stream (descriptors only ever come with bytes)
+            self._end(c)
+            return
+        c.buf += data
+        try:
+            if flags & socket.MSG_CTRUNC or len(c.fds) > MAX_FDS:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff: more than {MAX_FDS} descriptors in one request")
+            if len(c.buf) < FRAME.size:
+                return
+            (n,) = FRAME.unpack_from(c.buf)
+            if n > MAX_REQUEST:
+                raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"handoff: a request over {MAX_REQUEST} bytes")
+            if len(c.buf) < FRAME.size + n:
+                return
+            if len(c.buf) > FRAME.size + n:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: send one request at a time and wait for its answer")
+        except Refused as e:
+            self._answer(c, error_frame(e.code, str(e)))
+            self._end(c)  # the stream may be out of step: end it
+            return
+        body, fds, c.buf, c.fds = bytes(c.buf[FRAME.size :]), c.fds, bytearray(), []
+        try:
+            answer = ok_frame(pb.HandoffResponse(ids=self._hold(body, fds)).SerializeToString())
+        except Refused as e:
+            answer = error_frame(e.code, str(e))
+        c.deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        if not self._answer(c, answer):
+            self._end(c)
 
     @staticmethod
-    def _receive(conn: socket.socket) -> tuple[bytes, list[int]] | None:
-        """One request frame and the descriptors that came with it; None at the end of the stream."""
-        data, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST + FRAME.size, MAX_FDS)
-        if not data:
-            return None  # the end of the stream (descriptors only ever come with bytes)
-        buf = bytearray(data)
+    def _answer(c: _Conn, frame: bytes) -> bool:
+        """Sends a (small) answer without waiting: False when the socket would not take it whole."""
         try:
-            if flags & socket.MSG_CTRUNC:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff: more than {MAX_FDS} descriptors in one request")
-            while len(buf) < FRAME.size or len(buf) < FRAME.size + FRAME.unpack_from(buf)[0]:
-                if len(buf) >= FRAME.size and FRAME.unpack_from(buf)[0] > MAX_REQUEST:
-                    raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"handoff: a request over {MAX_REQUEST} bytes")
-                more = conn.recv(MAX_REQUEST + FRAME.size - len(buf))
-                if not more:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: the stream ended inside a request")
-                buf += more
-            (n,) = FRAME.unpack_from(buf)
-            if len(buf) != FRAME.size + n:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: send one request at a time and wait for its answer")
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return bytes(buf[FRAME.size :]), fds
+            return c.sock.send(frame) == len(frame)
+        except OSError:
+            return False
 
     def _hold(self, body: bytes, fds: list[int]) -> list[str]:
         """Checks a request and keeps its descriptors (closing them all when anything is wrong)."""

@@ -1,13 +1,19 @@
 """Prometheus metrics. Depot counters and pool gauges are read at scrape time (nothing on the hot
-path); RPC latency and errors are observed per call. Names: kvdepot_<what>[_<unit>][_total]."""
+path); RPC latency and errors are observed per call. Names: kvdepot_<what>[_<unit>][_total].
+serve_metrics serves them, behind a token where the daemon has an auth file (the per-namespace
+figures name tenants)."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -133,3 +139,32 @@ class Metrics:
 class _NoRecovery:
     blocks = dropped = 0
     seconds = 0.0
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (wsgiref's name)
+        pass
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry, allowed: Callable[[str | None], bool]) -> tuple[Any, threading.Thread]:
+    """/metrics over HTTP on a thread of its own. `allowed(token)` decides each scrape by the bearer
+    token it carries (None without one); a refused scrape gets 401 and no figure."""
+    app = make_wsgi_app(registry)
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        header = environ.get("HTTP_AUTHORIZATION", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else None
+        if not allowed(token):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="kvdepotd metrics"')])
+            return [b"this daemon's /metrics needs 'Authorization: Bearer <token>' with a metrics or an admin token of its auth file\n"]
+        return app(environ, start_response)
+
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    srv = make_server(host, port, guarded, Server, handler_class=_Quiet)
+    t = threading.Thread(target=srv.serve_forever, name="kvdepotd-metrics", daemon=True)
+    t.start()
+    return srv, t

@@ -25,7 +25,6 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from kvdepot.tls import read_pem
 from kvdepot.v1 import kvdepot_pb2 as pb
@@ -34,9 +33,10 @@ from kvdepotd.auth import AuthError, Tokens
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig
 from kvdepotd.core.disk import DiskConfig, disk_record_bytes
+from kvdepotd.core.records import Caps
 from kvdepotd.handoff import Handoffs
 from kvdepotd.lane import Lanes, unix_path
-from kvdepotd.metrics import Metrics
+from kvdepotd.metrics import Metrics, serve_metrics
 from kvdepotd.runtime import Runtime
 from kvdepotd.service import DepotService
 from kvdepotd.storage.disk import DiskError
@@ -99,6 +99,9 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         max_tokens=cfg.max_tokens,
         eviction_policy=cfg.eviction_policy,
         namespace_host_share=cfg.namespace_host_share,
+        caps=Caps(
+            cfg.max_slots_per_engine, cfg.max_slots_per_namespace, cfg.max_pins_per_engine, cfg.max_pins_per_namespace, cfg.max_pin_tokens_per_namespace
+        ),
         disk_bytes=cfg.disk_bytes,
         disk_slab_bytes=cfg.disk_slab_mib << 20,
         disk=DiskConfig(policy=cfg.disk_policy, admit_after=cfg.disk_admit_after, admit_window_ms=int(cfg.disk_admit_window_s * 1000)),
@@ -193,6 +196,7 @@ class Daemon:
         self.metrics.handoff_pending.set_function(self.handoffs.pending)
         self.metrics.host_backed.set_function(lambda: self.arena.ready_bytes)
         self.service.shm_paths = cfg.shm_paths
+        self.service.max_rank_bytes = cfg.max_rank_bytes
         self.metrics.lane_connections.set_function(self.lanes.open_connections)
         self.addresses: list[str] = []
         self.metrics_address = ""
@@ -222,7 +226,7 @@ class Daemon:
         if self.cfg.metrics_listen:
             host, _, port_s = self.cfg.metrics_listen.rpartition(":")
             try:
-                srv, _thread = start_http_server(int(port_s), addr=host.strip("[]"), registry=self.metrics.registry)
+                srv, _thread = serve_metrics(host.strip("[]"), int(port_s), self.metrics.registry, self._may_scrape)
             except OSError as e:
                 raise StartupError(f"cannot serve metrics on {self.cfg.metrics_listen}: {e.strerror or e}") from None
             self._metrics_http = srv
@@ -327,6 +331,11 @@ class Daemon:
     def _log_tokens(tokens: Tokens | None) -> None:
         if tokens is not None:
             log.info("tokens required: %d from %s %s", len(tokens), tokens.source, tokens.summary())
+
+    def _may_scrape(self, token: str | None) -> bool:
+        """/metrics names tenants (kvdepot_namespace_*): with an auth file only a metrics or an admin token reads it."""
+        auth = self.service.auth
+        return auth is None or auth.may_scrape(token)
 
     def reload_tokens(self) -> None:
         """SIGHUP: the tokens file again; a file that is now wrong keeps the tokens in force."""

@@ -78,6 +78,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         self.auth: Tokens | None = None  # None: no tokens asked for, every caller may do everything
         self.handoffs: Handoffs | None = None  # descriptors handed over beside unix addresses (kvdepotd.handoff)
         self.shm_paths = True  # False: cpu_shm memory only as handed-over descriptors, never by path
+        self.max_rank_bytes = 1 << 62  # most CPU memory one rank may register (max_rank_gib)
         self._refusals: dict[tuple[str, str], tuple[float, int]] = {}  # (method, error) -> (last logged, since)
 
     async def close(self, grace_s: float = 10.0) -> None:
@@ -208,7 +209,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             fds = self._claim(request, eng.namespace)
             try:
                 # Mapping validates and maps GiBs of engine memory: off the event loop, so other engines' steps go on.
-                mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, convert.rank_spec(request), fds)
+                mapping = await asyncio.to_thread(map_rank, engine_id, eng.layout, convert.rank_spec(request), fds, self.max_rank_bytes)
             finally:
                 for fd in fds.values():
                     os.close(fd)  # a mapping holds its own reference

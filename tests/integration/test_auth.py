@@ -13,6 +13,8 @@ import socket
 import struct
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,14 +31,17 @@ from kvdepot.handoff import hand_over, handoff_path
 from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
 from kvdepot.lane import LocalRpcError
 from kvdepot.testing import DaemonProcess, FakeEngine
+from kvdepot.testing.daemon import free_port
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from tests.integration.conftest import LAYOUT, close_engine, served_again
 
 pytestmark = pytest.mark.integration
 ADMIN, A, A2, B = "admin-token-0123456789", "team-a-token-0123456789", "team-a-next-0123456789", "team-b-token-0123456789"
+SCRAPE = "metrics-token-0123456789"
 TOKENS = f"""
 admin = "{ADMIN}"
+metrics = "{SCRAPE}"
 [namespaces]
 team-a = ["{A}", "{A2}"]
 team-b = "{B}"
@@ -54,7 +59,8 @@ def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(tokens_file: Path) -> Iterator[DaemonProcess]:
-    with DaemonProcess(args=["--auth-file", str(tokens_file), "--host-gib", "0.0625", "--slab-mib", "1"]) as d:
+    args = ["--auth-file", str(tokens_file), "--host-gib", "0.0625", "--slab-mib", "1", "--metrics-listen", f"127.0.0.1:{free_port()}"]
+    with DaemonProcess(args=args) as d:
         yield d
     assert "Traceback" not in d.log(), d.log()
 
@@ -161,6 +167,28 @@ def test_no_namespace_learns_what_another_has_cached(daemon: DaemonProcess) -> N
         assert not any(a.block(h).found for h in hs)  # as for a prompt nobody sent
         assert a.block(hs[0]) == pb.GetBlockResponse(found=False)
     close_engine(b)
+
+
+def test_metrics_name_tenants_only_to_a_metrics_or_admin_token(daemon: DaemonProcess) -> None:
+    url = "http://" + daemon.args[daemon.args.index("--metrics-listen") + 1] + "/metrics"
+
+    def scrape(token: str | None) -> tuple[int, str]:
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    for token in (None, A, "wrong-token-0123456789"):  # a namespace's token must not learn the others' names
+        code, body = scrape(token)
+        assert code == 401 and "team-" not in body and "needs 'Authorization: Bearer <token>'" in body
+    for token in (SCRAPE, ADMIN):
+        code, body = scrape(token)
+        assert code == 200 and "kvdepot_namespace_engines" in body
+    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=SCRAPE) as c:  # a metrics token does nothing else
+        with pytest.raises(PermissionDenied, match="a metrics token reads /metrics and nothing else"):
+            c.register_engine("m", LAYOUT)
 
 
 def test_the_asyncio_client_carries_its_token(daemon: DaemonProcess) -> None:

@@ -72,3 +72,35 @@ def test_bad_arguments_raise_and_copy_nothing() -> None:
         blockcopy.copy_block(blockcopy.pack(runs), 0, ctypes.addressof(host), True)  # type: ignore[call-arg]
     assert host.raw == bytes(64)
     del buf
+
+
+def test_memory_shrunk_under_a_copy_raises_instead_of_killing_the_process() -> None:
+    """A mapping of a file its owner truncated: touching it is SIGBUS. The copy raises OSError
+    (EFAULT) either way, then copies as before; a SIGBUS outside a copy is not caught."""
+    import errno
+    import mmap
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    fd = os.memfd_create("shrinks")
+    os.ftruncate(fd, 4 * mmap.PAGESIZE)
+    mm = mmap.mmap(fd, 4 * mmap.PAGESIZE)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    runs = blockcopy.pack([(addr, mmap.PAGESIZE, mmap.PAGESIZE)])
+    host = ctypes.create_string_buffer(mmap.PAGESIZE)
+    assert blockcopy.copy_block(runs, 3, ctypes.addressof(host), True, True) is not None
+    os.ftruncate(fd, mmap.PAGESIZE)  # blocks 1..3 are gone
+    for to_host in (True, False):
+        with pytest.raises(OSError) as e:
+            blockcopy.copy_block(runs, 2, ctypes.addressof(host), to_host, True)
+        assert e.value.errno == errno.EFAULT and "SIGBUS caught" in str(e.value)
+    assert blockcopy.copy_block(runs, 0, ctypes.addressof(host), True, True) is not None  # block 0 is still there
+    mm.close()
+    os.close(fd)
+    outside = (  # the same fault outside a copy: the process dies of it as without the module
+        "import ctypes, mmap, os; from kvdepotd.transfer import blockcopy; fd = os.memfd_create('x'); os.ftruncate(fd, 8192); "
+        "mm = mmap.mmap(fd, 8192); a = ctypes.addressof(ctypes.c_char.from_buffer(mm)); os.ftruncate(fd, 0); ctypes.string_at(a + 4096, 8)"
+    )
+    assert subprocess.run([sys.executable, "-c", outside], env=os.environ, capture_output=True).returncode == -signal.SIGBUS

@@ -95,7 +95,7 @@ def test_check_config_checks_the_tokens_file(tmp_path: Path, capsys: pytest.Capt
     good = tmp_path / "tokens.toml"
     good.write_text('admin = "admin-token-0123456789"\n[namespaces]\nteam-a = ["team-a-token-0123456789"]\n')
     assert cli.main(["check-config", "--auth-file", str(good)]) == 0
-    assert f"# {good}: 2 tokens (namespaces 'team-a'; 1 admin)" in capsys.readouterr().out
+    assert f"# {good}: 2 tokens (namespaces 'team-a'; 1 admin; 0 metrics)" in capsys.readouterr().out
     bad = tmp_path / "bad.toml"
     bad.write_text('[namespaces]\nteam-a = "short"\n')
     assert cli.main(["check-config", "--auth-file", str(bad)]) == 2

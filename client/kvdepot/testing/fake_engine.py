@@ -29,6 +29,8 @@ from kvdepot.layout import KvLayout
 from kvdepot.messages import OpCompleted, RequestReleased, StepBatch, StepResult, cached_update_needed
 from kvdepot.testing.kv import FakeKv
 
+DETACHED_GRACE_S = 0.5  # a worker stream down this long while a load is awaited: the daemon is gone (as the vLLM connector)
+
 
 @dataclass
 class FakeRequest:
@@ -130,7 +132,10 @@ class FakeEngine:
                     self._finish(r, aborted=True)
 
     def run_until_done(self, max_steps: int = 10_000) -> None:
-        while (self.waiting or self.running or self.held or self.finished_ids) and self.steps < max_steps:
+        """Steps until every request finished (and the daemon released what it held); at most
+        `max_steps` steps of this call."""
+        last = self.steps + max_steps
+        while (self.waiting or self.running or self.held or self.finished_ids) and self.steps < last:
             self.step()
             if not (self.waiting or self.running or self.finished_ids):
                 time.sleep(0.005)  # only releases are pending: idle steps, as an engine's would be
@@ -295,7 +300,9 @@ class FakeEngine:
         loads = {op.op_id: op for op in result.ops if op.kind == "load"}
         if not loads or not self.workers:
             return
-        done = self.workers[0].wait(lambda evs: {e.op_id for e in evs if isinstance(e, OpCompleted)} >= loads.keys(), self.load_timeout_s)
+        done = self.workers[0].wait(
+            lambda evs: {e.op_id for e in evs if isinstance(e, OpCompleted)} >= loads.keys(), self.load_timeout_s, detached_grace_s=DETACHED_GRACE_S
+        )
         self._handle_events(done)
         completed = {e.op_id: e for e in done if isinstance(e, OpCompleted)}
         for op_id, op in loads.items():

@@ -36,7 +36,7 @@ from kvdepot.hashing import BlockHash
 from kvdepot.layout import KvLayout
 from kvdepotd.core import audit, lookup
 from kvdepotd.core.disk import DISK_MAX_RANKS, DiskJob, DiskPlanner, Domain, disk_record_bytes
-from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound
+from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
 from kvdepotd.core.plan import OpPlanner
 from kvdepotd.core.pool import BlockPool, SlabBudget, CellId
@@ -174,8 +174,44 @@ class Depot:
         now_ms: int,
     ) -> LookupResult:
         eng = self.engine(engine_id)
+        self._check_pin_caps(eng, request_id, len(tokens) // 4)
         self.disk.now_ms = now_ms
         return lookup.lookup(eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters)
+
+    def _check_pin_caps(self, eng: Engine, request_id: RequestId, tokens: int) -> None:
+        """Raises ResourceExhausted, naming the cap, when the lookup's pin would take the engine or its
+        namespace past one (a repeated lookup replaces its request's own pin)."""
+        caps = self.config.caps
+        own = eng.pins.get(request_id)
+        peers = [e for e in self.engines.values() if e.namespace == eng.namespace]
+        if own is None:
+            if len(eng.pins) >= caps.pins_per_engine:
+                raise ResourceExhausted(
+                    f"engine {eng.engine_id} holds {len(eng.pins)} lookup pins, the most one engine may (max_pins_per_engine): "
+                    "requests release theirs when they start or finish, or after pin_ms"
+                )
+            if (n := sum(len(e.pins) for e in peers)) >= caps.pins_per_namespace:
+                raise ResourceExhausted(f"namespace {eng.namespace!r} holds {n} lookup pins, the most one namespace may (max_pins_per_namespace)")
+        held = sum(e.pin_tokens for e in peers) - (len(own.tokens) >> 2 if own is not None else 0)
+        if held + tokens > caps.pin_tokens_per_namespace:
+            raise ResourceExhausted(
+                f"namespace {eng.namespace!r} pins hold {held} prompt tokens; {tokens} more is over the most one namespace's may "
+                f"({caps.pin_tokens_per_namespace}, max_pin_tokens_per_namespace)"
+            )
+
+    def _check_slot_caps(self, eng: Engine, new: int) -> None:
+        caps = self.config.caps
+        if len(eng.slots) + new > caps.slots_per_engine:
+            raise ResourceExhausted(
+                f"engine {eng.engine_id} holds {len(eng.slots)} request slots; {new} new ones are over the most one engine may "
+                f"({caps.slots_per_engine}, max_slots_per_engine): finish requests first"
+            )
+        n = sum(len(e.slots) for e in self.engines.values() if e.namespace == eng.namespace)
+        if n + new > caps.slots_per_namespace:
+            raise ResourceExhausted(
+                f"namespace {eng.namespace!r} holds {n} request slots; {new} new ones are over the most one namespace may "
+                f"({caps.slots_per_namespace}, max_slots_per_namespace)"
+            )
 
     # -- step ----------------------------------------------------------------------------------
     def step(
@@ -199,6 +235,8 @@ class Depot:
         rows = RowPass(eng.slots, eng.layout.block_size, eng.style, self.config.max_tokens)
         try:
             rows.run(cols, step)
+            if new := sum(1 for u in rows.slow if u.request_id not in eng.slots):
+                self._check_slot_caps(eng, new)
         except DepotError:
             rows.undo()
             raise

@@ -16,3 +16,7 @@ class NotFound(DepotError):
 
 class FailedPrecondition(DepotError):
     """Well-formed, but not valid in the current state (FAILED_PRECONDITION)."""
+
+
+class ResourceExhausted(DepotError):
+    """A cap is reached: the engine or its namespace holds as much as it may (RESOURCE_EXHAUSTED)."""

@@ -62,6 +62,7 @@ def lookup(
     deadline = now_ms + (pin_ms or config.pin_ms)
     if hit:
         eng.pins[request_id] = LookupPin(hit, deadline, on_disk, tokens, seed, chain)
+        eng.pin_tokens += n
     matched = len(hit) * bs
     disk = sum(on_disk) * bs
     counters["lookup_hit_tokens"] += matched

@@ -30,6 +30,19 @@ COUNTERS = (
 
 
 @dataclass(frozen=True, slots=True)
+class Caps:
+    """The most request slots and lookup pins one engine, and all engines of one namespace, may
+    hold at once, and the most prompt tokens a namespace's pins may keep (a pin keeps its prompt
+    for the request's first Step: about 8 bytes a token with its hashes)."""
+
+    slots_per_engine: int = 8192
+    slots_per_namespace: int = 32768
+    pins_per_engine: int = 8192
+    pins_per_namespace: int = 32768
+    pin_tokens_per_namespace: int = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
 class DepotConfig:
     host_bytes: int
     slab_bytes: int = 64 << 20
@@ -48,6 +61,7 @@ class DepotConfig:
     free_reserve_fraction: float = 1 / 64
     free_reserve_max: int = 256
     namespace_host_share: float = 1.0  # < 1: most of a host pool one namespace may hold (BlockRegistry owner_share)
+    caps: Caps = field(default_factory=lambda: Caps())  # what one engine and one namespace may hold
     # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
     # daemon's op 7 would take the new daemon's op 7 as done. The daemon (server.py) starts them from the clock.
     first_op_id: int = 1
@@ -148,6 +162,7 @@ class Engine:
     processes: int = 1  # registrations under its key (a scheduler and its workers) not yet unregistered
     slots: dict[RequestId, Slot] = field(default_factory=dict)
     pins: dict[RequestId, LookupPin] = field(default_factory=dict)
+    pin_tokens: int = 0  # prompt tokens its pins keep
     last_step: int = -1
     responses: OrderedDict[int, StepPlan] = field(default_factory=OrderedDict)
 
@@ -158,6 +173,7 @@ class Engine:
         """Unpins what the request's lookup pinned (no-op without a pin)."""
         pin = self.pins.pop(rid, None)
         if pin is not None:
+            self.pin_tokens -= len(pin.tokens) >> 2
             dom = self.domain
             for h, d in zip(pin.hashes, pin.on_disk):
                 (dom.disk if d else dom.registry).unpin(h)  # type: ignore[union-attr]

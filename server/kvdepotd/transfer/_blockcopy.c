@@ -17,9 +17,18 @@
  *
  * The caller checked every address once, when the engine registered (kvdepotd.transfer.mapping),
  * and keeps the mappings alive while a copy runs. The GIL is released while bytes move.
+ *
+ * Engine memory is a file the engine can still shrink (a /dev/shm file registered by path): a copy
+ * that touches a page past the file's new end gets SIGBUS, which would kill the daemon for every
+ * engine on it. So each copy runs guarded: the module's SIGBUS handler (installed by bind(), chained
+ * to whatever handler was there) jumps out of a guarded copy on the faulting thread, and copy_block
+ * raises OSError(EFAULT) instead; a SIGBUS anywhere else goes on to the earlier handler as before.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__x86_64__) || defined(_M_X64)
@@ -68,6 +77,42 @@ static struct {
     digest_fn digest;
 } xxh;
 
+/* The guarded copy running on this thread, if any. initial-exec: the handler reads it without the
+ * lazy allocation a dlopen()ed module's TLS may otherwise do on first use. */
+static __thread sigjmp_buf *guard __attribute__((tls_model("initial-exec")));
+static struct sigaction earlier_bus;
+static int bus_installed;
+
+static void on_sigbus(int sig, siginfo_t *info, void *uc) {
+    sigjmp_buf *g = guard;
+    if (g != NULL) {
+        guard = NULL;
+        siglongjmp(*g, 1);
+    }
+    if (earlier_bus.sa_flags & SA_SIGINFO) {
+        earlier_bus.sa_sigaction(sig, info, uc);
+    } else if (earlier_bus.sa_handler != SIG_DFL && earlier_bus.sa_handler != SIG_IGN) {
+        earlier_bus.sa_handler(sig);
+    } else { /* the default: die of it, as without this module */
+        sigaction(SIGBUS, &earlier_bus, NULL);
+        raise(SIGBUS);
+    }
+}
+
+static int install_sigbus(void) {
+    if (bus_installed)
+        return 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &earlier_bus) != 0)
+        return -1;
+    bus_installed = 1;
+    return 0;
+}
+
 static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     void *fns[5];
     if (nargs != 5) {
@@ -87,6 +132,8 @@ static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     xxh.reset = (reset_fn)fns[2];
     xxh.update = (update_fn)fns[3];
     xxh.digest = (digest_fn)fns[4];
+    if (install_sigbus() != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
     Py_RETURN_NONE;
 }
 
@@ -129,7 +176,14 @@ static PyObject *copy_block(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
     }
     uint64_t digest = 0;
+    volatile int faulted = 0;
+    sigjmp_buf jump;
     Py_BEGIN_ALLOW_THREADS
+    if (sigsetjmp(jump, 1) != 0) { /* SIGBUS inside the copy: engine memory shrank under it */
+        faulted = 1;
+        goto done;
+    }
+    guard = &jump;
     for (Py_ssize_t r = 0; r < nruns; r++) {
         char *engine = (char *)(intptr_t)(runs[3 * r] + block * runs[3 * r + 1]);
         int64_t n = runs[3 * r + 2];
@@ -145,11 +199,21 @@ static PyObject *copy_block(PyObject *self, PyObject *const *args, Py_ssize_t na
 #ifdef STREAMING
     _mm_sfence(); /* the streamed bytes are visible before the caller reports the copy done */
 #endif
-    if (state != NULL) {
+    if (state != NULL)
         digest = xxh.digest(state);
+done:
+    guard = NULL;
+    if (state != NULL)
         xxh.free(state);
-    }
     Py_END_ALLOW_THREADS
+    if (faulted) {
+        PyObject *e = Py_BuildValue("(is)", EFAULT, "the engine's memory is gone under the copy (its file was shrunk: SIGBUS caught)");
+        if (e != NULL) {
+            PyErr_SetObject(PyExc_OSError, e);
+            Py_DECREF(e);
+        }
+        return NULL;
+    }
     if (!want_hash)
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(digest);

@@ -89,6 +89,17 @@ class _Part:
     message: str = ""
 
 
+SHRUNK = "the engine's KV memory file is smaller than it registered (truncated): nothing is copied to or from it"
+
+
+def _warn_shrunk(m: RankMapping) -> str:
+    """Logs (once per mapping) that an engine shrank the memory it registered; SHRUNK."""
+    if not m.warned_shrunk:
+        m.warned_shrunk = True
+        log.warning("engine %s rank %d: %s (the engine truncated its KV file: register again)", m.engine_id, m.rank, SHRUNK)
+    return SHRUNK
+
+
 class HostCopyEngine(CopyEngine):
     def __init__(
         self,
@@ -295,6 +306,9 @@ class HostCopyEngine(CopyEngine):
             time.sleep(faults.load_delay_ms / 1000)
         if store and not arena.ensure(max(w[3] for w in work) + rank_off + rank_bytes):  # memory behind the cells
             return [w[0] for w in work], [], arena.error
+        if m.files and m.packed is None and m.shrunk():  # the native copy catches this itself, race and all
+            _warn_shrunk(m)
+            return [w[0] for w in work], [], SHRUNK
         for k, (i, bid, cell, offset) in enumerate(work):
             if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
                 failed += [w[0] for w in work[k:]]
@@ -306,7 +320,12 @@ class HostCopyEngine(CopyEngine):
             hoff = offset + rank_off
             key = (cls, cell, rank)
             if store:
-                got = self._move(m, bid, hoff, rank_bytes, to_host=True, want_hash=True)
+                try:
+                    got = self._move(m, bid, hoff, rank_bytes, to_host=True, want_hash=True)
+                except OSError:  # the engine shrank its file under the copy (the native copy's SIGBUS guard)
+                    failed += [w[0] for w in work[k:]]
+                    message = _warn_shrunk(m)
+                    break
                 assert got is not None
                 arena.checksums[key] = got
                 continue
@@ -314,7 +333,12 @@ class HostCopyEngine(CopyEngine):
                 ctypes.memset(arena.base + hoff, 0x5A, 64)
             want = arena.checksums.get(key, -1) if check else None  # -1, which no xxh3 is: a block without one fails
             if copy:
-                got = self._move(m, bid, hoff, rank_bytes, to_host=False, want_hash=want is not None)
+                try:
+                    got = self._move(m, bid, hoff, rank_bytes, to_host=False, want_hash=want is not None)
+                except OSError:
+                    failed += [w[0] for w in work[k:]]
+                    message = _warn_shrunk(m)
+                    break
             else:
                 got = _xxh3_at(arena.base + hoff, rank_bytes) if want is not None else None
             if got != want:

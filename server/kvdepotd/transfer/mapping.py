@@ -6,17 +6,24 @@ under /dev/shm that only its owner can read (mode 0600), owned by the daemon's o
 handle names a sealed memfd handed over on the handoff socket, see kvdepotd.handoff); the views
 must fit in their storages, and the shapes must match the engine's layout. A bad handle is
 INVALID_ARGUMENT, never a crash: every address the copy engine will touch is checked here, once.
+
+Only the registered range of a file is mapped (and pre-faulted, and counted in mapped_bytes),
+never the rest of it, and neither the range nor the file may be larger than `max_bytes`
+(max_rank_gib): a worker cannot make the daemon commit memory it did not register. A file
+registered by path can still be shrunk by its owner; the copies guard against that
+(RankMapping.shrunk, the native copy's SIGBUS guard); a sealed memfd cannot shrink at all.
 """
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import socket
 import stat
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -109,6 +116,19 @@ class RankMapping:
     # goes out on it the moment this rank's part is copied (HostCopyEngine). Closed when the last
     # reference goes, like the storages, so a copy still running never sends on a reused descriptor.
     doorbell: socket.socket | None = None
+    # Files registered by path, which their owner may shrink, with where the registered range ends
+    # (closed when the mapping goes, like the storages).
+    files: list[tuple[io.FileIO, int]] = field(default_factory=list)
+    warned_shrunk: bool = False
+
+    def shrunk(self) -> bool:
+        """A file registered by path no longer reaches the end of its registered range: a copy
+        into it would fault (SIGBUS). The native copy catches that itself; the other copy paths ask
+        this first (a shrink between the question and the copy is not caught: build the native copy)."""
+        try:
+            return any(os.fstat(f.fileno()).st_size < end for f, end in self.files)
+        except (OSError, ValueError):
+            return True
 
     def ring(self, op_id: int, intact: bool) -> None:
         """Tells the worker that `op_id`'s bytes are in its blocks, and whether every one of them was
@@ -128,45 +148,61 @@ class RankMapping:
         return self.storage_bytes[storage].as_strided((nruns, nbytes), (gap, 1), first + bid * block_stride)
 
 
-def _open_cpu_shm(h: ShmStorage, fds: Mapping[str, int]) -> tuple[torch.UntypedStorage, int]:
-    """The mapped file and the address where the storage starts in it."""
-    if h.handoff_id:
-        return _open_handed(h, fds[h.handoff_id])
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    storage: torch.UntypedStorage
+    start: int  # the address where the registered range starts
+    file: io.FileIO | None  # a file its owner may shrink (registered by path), kept open to check it
+    end: int  # where the registered range ends in that file
+
+
+def _open_cpu_shm(h: ShmStorage, fds: Mapping[str, int], max_bytes: int) -> _Opened:
+    if h.handoff_id:  # a memfd handed over (kvdepotd.handoff checked its seal): it cannot shrink
+        return _map_range(fds[h.handoff_id], h, max_bytes, "the memory handed over", keep=False)
     path = os.path.realpath(h.path)
     if os.path.dirname(path) != SHM_DIR:
         raise InvalidRequest(f"cpu_shm path {h.path!r} is not a file directly under {SHM_DIR}")
-    try:
-        st = os.stat(path)
+    try:  # checked on the descriptor itself, so the file cannot be swapped between check and map
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise InvalidRequest(f"cpu_shm path {h.path!r} cannot be opened: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise InvalidRequest(f"cpu_shm path {h.path!r} is not a regular file")
-    if st.st_mode & 0o077:
-        raise InvalidRequest(f"cpu_shm path {h.path!r} has mode {oct(st.st_mode & 0o777)}; it must be 0600")
-    if st.st_uid != os.geteuid():  # a daemon running as root must not read or write other users' memory
-        raise InvalidRequest(
-            f"cpu_shm path {h.path!r} belongs to uid {st.st_uid}; the daemon runs as uid {os.geteuid()} and maps only its own user's files"
-        )
-    if h.size == 0 or h.offset + h.size > st.st_size:
-        raise InvalidRequest(f"cpu_shm storage [{h.offset}, {h.offset + h.size}) does not fit the {st.st_size}-byte file {h.path!r}")
-    storage = torch.from_file(path, shared=True, size=st.st_size, dtype=torch.uint8).untyped_storage()
-    return storage, storage.data_ptr() + h.offset
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRequest(f"cpu_shm path {h.path!r} is not a regular file")
+        if st.st_mode & 0o077:
+            raise InvalidRequest(f"cpu_shm path {h.path!r} has mode {oct(st.st_mode & 0o777)}; it must be 0600")
+        if st.st_uid != os.geteuid():  # a daemon running as root must not read or write other users' memory
+            raise InvalidRequest(
+                f"cpu_shm path {h.path!r} belongs to uid {st.st_uid}; the daemon runs as uid {os.geteuid()} and maps only its own user's files"
+            )
+        return _map_range(fd, h, max_bytes, f"the file {h.path!r}", keep=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
-def _open_handed(h: ShmStorage, fd: int) -> tuple[torch.UntypedStorage, int]:
-    """A memfd the worker handed over (kvdepotd.handoff checked its seal): mapped as it is."""
+def _map_range(fd: int, h: ShmStorage, max_bytes: int, what: str, keep: bool) -> _Opened:
+    """Maps [h.offset, h.offset + h.size) of `fd` (from the page it starts in). `keep`: the mapping
+    keeps `fd` open to check its size (else `fd` stays the caller's to close)."""
     size = os.fstat(fd).st_size
     if h.size == 0 or h.offset + h.size > size:
-        raise InvalidRequest(f"cpu_shm storage [{h.offset}, {h.offset + h.size}) does not fit the {size}-byte memory handed over")
+        raise InvalidRequest(f"cpu_shm storage [{h.offset}, {h.offset + h.size}) does not fit the {size}-byte {what}")
+    if size > max_bytes:
+        raise InvalidRequest(
+            f"{what} is {size / 2**30:.2f} GiB, over the {max_bytes / 2**30:.2f} GiB one rank may register (max_rank_gib): "
+            "register memory of the KV cache's own size"
+        )
+    lo = h.offset - h.offset % mmap.ALLOCATIONGRANULARITY
     try:
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, h.offset + h.size - lo, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
     except OSError as e:
-        raise InvalidRequest(f"the memory handed over as {h.handoff_id[:64]!r} cannot be mapped for writing: {e.strerror}") from None
+        raise InvalidRequest(f"{what} cannot be mapped for writing: {e.strerror}") from None
     storage = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()  # keeps the mapping alive
-    return storage, storage.data_ptr() + h.offset
+    return _Opened(storage, storage.data_ptr() + h.offset - lo, io.FileIO(fd, "r+", closefd=True) if keep else None, h.offset + h.size)
 
 
-def _open_cuda_ipc(h: CudaStorage) -> tuple[torch.UntypedStorage, int]:
+def _open_cuda_ipc(h: CudaStorage) -> _Opened:
     if not torch.cuda.is_available():
         raise FailedPrecondition("this daemon has no CUDA device: it cannot map cuda_ipc handles")
     if h.device >= torch.cuda.device_count():
@@ -175,13 +211,14 @@ def _open_cuda_ipc(h: CudaStorage) -> tuple[torch.UntypedStorage, int]:
         storage = torch.UntypedStorage._new_shared_cuda(
             h.device, h.handle, h.size, h.offset, h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required
         )
-        return storage, storage.data_ptr()
+        return _Opened(storage, storage.data_ptr(), None, 0)
     except RuntimeError as e:
         raise InvalidRequest(f"cuda_ipc handle does not open: {e}") from None
 
 
-def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, int] | None = None) -> RankMapping:
-    """`fds`: the descriptors of the handoff ids the request names (the caller claimed and closes them)."""
+def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, int] | None = None, max_bytes: int = 1 << 62) -> RankMapping:
+    """`fds`: the descriptors of the handoff ids the request names (the caller claimed and closes
+    them). `max_bytes`: the most one rank may register, and the largest file behind a storage."""
     fds = fds or {}
     if layout.kind == "none":
         raise FailedPrecondition("the engine registered layout kind 'none': it has no KV tensors to map")
@@ -204,32 +241,44 @@ def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, 
     if type(None) in kinds or len(kinds) != 1:
         raise InvalidRequest("every storage needs a handle, and all of one kind (cpu_shm or cuda_ipc)")
     sizes = [s.size for s in req.storages if s is not None]
+    if isinstance(req.storages[0], ShmStorage) and sum(sizes) > max_bytes:
+        raise InvalidRequest(f"the rank registers {sum(sizes) / 2**30:.2f} GiB, over the {max_bytes / 2**30:.2f} GiB one rank may (max_rank_gib)")
     esize = layout.dtype_bytes
     for r in regions:  # every byte the copy engine may touch must lie inside its storage
         t = req.tensors[r.tensor]
         last = (t.storage_offset + r.offset + (req.num_blocks - 1) * r.block_stride + r.length) * esize
         if last > sizes[t.storage]:
             raise InvalidRequest(f"tensor {r.tensor} ({t.name}) reaches byte {last}, past its {sizes[t.storage]}-byte storage")
-    opened = [_open_cpu_shm(s, fds) if isinstance(s, ShmStorage) else _open_cuda_ipc(s) for s in req.storages if s is not None]
+    opened: list[_Opened] = []
+    try:
+        for s in req.storages:
+            opened.append(_open_cpu_shm(s, fds, max_bytes) if isinstance(s, ShmStorage) else _open_cuda_ipc(s))  # type: ignore[arg-type]
+    except BaseException:
+        for o in opened:
+            if o.file is not None:
+                o.file.close()
+        raise
     runs: list[Run] = []
     host_off = 0
     for r in regions:
         t = req.tensors[r.tensor]
-        storage, start = opened[t.storage]
-        base = start + (t.storage_offset + r.offset) * esize
-        runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - storage.data_ptr()))
+        o = opened[t.storage]
+        base = o.start + (t.storage_offset + r.offset) * esize
+        runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - o.storage.data_ptr()))
         host_off += r.length * esize
     first = req.storages[0]
     device = f"cuda:{first.device}" if isinstance(first, CudaStorage) else "cpu"
     storage_bytes = [
-        torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),))  # type: ignore[call-overload]
-        for storage, _ in opened
+        torch.empty(0, dtype=torch.uint8, device=device).set_(o.storage, 0, (o.storage.nbytes(),))  # type: ignore[call-overload]
+        for o in opened
     ]
     packed = None
     if device == "cpu" and blockcopy.available:
         packed = blockcopy.pack([(r.address, r.block_stride, r.nbytes) for r in runs])
+    mapped = sum(o.storage.nbytes() for o in opened) if device == "cpu" else sum(sizes)
+    files = [(o.file, o.end) for o in opened if o.file is not None]
     return RankMapping(
-        engine_id, req.rank, req.num_blocks, runs, [s for s, _ in opened], sum(sizes), device, storage_bytes, _uniform(runs), packed
+        engine_id, req.rank, req.num_blocks, runs, [o.storage for o in opened], mapped, device, storage_bytes, _uniform(runs), packed, files=files
     )
 
 

@@ -1,0 +1,158 @@
+"""Engines that hold a valid token and misbehave on purpose: they shrink the memory they
+registered, register a little of a large file, hold the handoff socket's connections, or pile up
+lookup pins and slots. None of it may crash or stall the daemon, or cost it memory past a cap."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from kvdepot import DepotClient, KvLayout, ResourceExhausted, StepBatch
+from kvdepot.handles import close_fds, share_cpu_tensors_memfd
+from kvdepot.handoff import hand_over, handoff_path
+from kvdepot.testing import DaemonProcess
+from tests.integration.conftest import attached_engine, close_engine, served_again
+
+pytestmark = pytest.mark.integration
+LAY = KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")
+
+
+@pytest.fixture(scope="module")
+def depot() -> Iterator[DaemonProcess]:
+    args = ["--host-gib", "0.0625", "--slab-mib", "1", "--max-rank-gib", "1.5"]
+    args += ["--max-pins-per-engine", "3", "--max-pins-per-namespace", "5", "--max-pin-tokens-per-namespace", "100000"]
+    args += ["--max-slots-per-engine", "4", "--max-slots-per-namespace", "6"]
+    with DaemonProcess(args=args) as d:
+        yield d
+    assert "Traceback" not in d.log(), d.log()
+
+
+def shmem_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+
+def test_an_engine_that_truncates_its_kv_file_cannot_kill_the_daemon(depot: DaemonProcess) -> None:
+    """With /dev/shm path registration an engine can shrink the file the daemon copies into: a
+    copy then touches pages that are gone (SIGBUS). The copies fail; the daemon serves on."""
+    e = attached_engine(depot, LAY, "shrinker")
+    p = list(range(100, 100 + 5 * 16 + 3))
+    e.generate(p, max_new_tokens=1)
+    kv = e.kv
+    assert kv is not None and kv.paths
+    e.kv = None  # from here on the engine never touches its own (shrunk) memory, as an attacker would not
+    for path in kv.paths:
+        os.truncate(path, 0)
+    c = e.client
+    failed = c.stats().counters["store_failed_blocks"]
+    e.generate(list(range(9000, 9000 + 5 * 16 + 3)), max_new_tokens=1)  # stores out of the shrunk file
+    e.reset_prefix_cache()
+    e.generate(p, max_new_tokens=1)  # a load into it
+    counters = c.stats().counters
+    assert counters["store_failed_blocks"] > failed and e.stats.failed_load_blocks > 0
+    assert depot.alive
+    assert "smaller than it registered" in depot.log() or "SIGBUS caught" in depot.log()
+    other = attached_engine(depot, LAY, "shrinker")  # the same namespace and model: serves on, byte-exact
+    assert served_again(other, list(range(20_000, 20_000 + 4 * 16 + 1))) == 4 * 16
+    close_engine(other)
+    e.client.close()
+    kv.close()
+
+
+def test_only_the_registered_range_is_mapped_and_accounted(depot: DaemonProcess) -> None:
+    """A sealed memfd of 1 GiB, never written, registered for a few KiB: the daemon maps and
+    pre-faults only the registered range, and says so."""
+    kv = torch.zeros(2, 3, 2, 16, 2, 8, dtype=torch.float16)  # contiguous: 2 blocks
+    req, fds = share_cpu_tensors_memfd([kv], num_blocks=2)
+    big = os.memfd_create("big-kv", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(big, 1 << 30)
+    fcntl.fcntl(big, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    try:
+        with DepotClient(depot.unix, strict=True, deadline_s=5.0) as c:
+            c.register_engine("big-file", KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="contiguous"))
+            path = handoff_path(depot.unix)
+            assert path is not None
+            before_stats, before_rss = c.stats().mapped_engine_bytes, shmem_kib(depot.proc.pid)
+            [req.storages[0].cpu_shm.handoff_id] = hand_over(path, [big])
+            req.engine_id = c.engine_id
+            assert c._stub.RegisterKvCaches(req, timeout=5).mapped_bytes == kv.untyped_storage().nbytes()
+            time.sleep(0.3)  # the mapping is pre-faulted off the event loop
+            assert c.stats().mapped_engine_bytes - before_stats == kv.untyped_storage().nbytes()
+            assert shmem_kib(depot.proc.pid) - before_rss < 16 << 10  # not the 1 GiB behind it
+            os.ftruncate(big, 2 << 30)  # grown past max_rank_gib: refused
+            [req.storages[0].cpu_shm.handoff_id] = hand_over(path, [big])
+            with pytest.raises(grpc.RpcError) as e:
+                c._stub.RegisterKvCaches(req, timeout=5)
+            assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "is 2.00 GiB, over the 1.50 GiB one rank may register (max_rank_gib)" in e.value.details()
+    finally:
+        os.close(big)
+        close_fds(fds)
+
+
+def test_idle_connections_cannot_starve_the_handoff_socket(depot: DaemonProcess) -> None:
+    path = handoff_path(depot.unix)
+    assert path is not None
+    idle = []
+    for _ in range(300):  # more than one user may hold, and more than all may
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        idle.append(s)
+    kv = torch.zeros(2, 3, 2, 16, 2, 8, dtype=torch.float16)
+    _, fds = share_cpu_tensors_memfd([kv], num_blocks=2)
+    try:
+        t0 = time.monotonic()
+        assert len(hand_over(path, fds, timeout_s=5)) == 1  # a real worker's handoff gets in at once
+        assert time.monotonic() - t0 < 1.0
+        idle[-1].settimeout(5)
+        t0 = time.monotonic()
+        assert idle[-1].recv(1) == b""  # an idle connection is closed within its deadline
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        close_fds(fds)
+        for s in idle:
+            s.close()
+
+
+def test_lookup_pins_and_slots_are_capped(depot: DaemonProcess) -> None:
+    with DepotClient(depot.tcp, strict=True, deadline_s=5.0) as c, DepotClient(depot.tcp, strict=True, deadline_s=5.0) as c2:
+        e = attached_engine(depot, LAY, "pinner")
+        prompt = list(range(50_000, 50_000 + 4 * 16 + 1))
+        e.generate(prompt, max_new_tokens=1)
+        c.register_engine("pinner", LAY)
+        for k in range(3):
+            assert c.lookup(f"r{k}", prompt).matched_tokens == 64
+        assert c.lookup("r0", prompt).matched_tokens == 64  # a repeated lookup replaces its own pin
+        with pytest.raises(ResourceExhausted, match=r"holds 3 lookup pins, the most one engine may \(max_pins_per_engine\)"):
+            c.lookup("r3", prompt)
+        c2.register_engine("pinner", LAY)
+        for k in range(2):
+            c2.lookup(f"q{k}", prompt)
+        with pytest.raises(ResourceExhausted, match=r"namespace '' holds 5 lookup pins, the most one namespace may \(max_pins_per_namespace\)"):
+            c2.lookup("q2", prompt)
+        with pytest.raises(ResourceExhausted, match="max_pin_tokens_per_namespace"):
+            c.lookup("r0", list(range(200_000)))
+        # slots: 4 per engine, 6 per namespace (e's slots are gone: its requests finished)
+        b = StepBatch()
+        for k in range(5):
+            b.new(f"s{k}", [1, 2, 3], [k], computed=0, scheduled=3)
+        with pytest.raises(ResourceExhausted, match=r"5 new ones are over the most one engine may \(4, max_slots_per_engine\)"):
+            c.step(b)
+        b = StepBatch()
+        for k in range(4):
+            b.new(f"s{k}", [1, 2, 3], [k], computed=0, scheduled=3)
+        c.step(b)
+        b = StepBatch()
+        for k in range(3):
+            b.new(f"t{k}", [1, 2, 3], [k], computed=0, scheduled=3)
+        with pytest.raises(ResourceExhausted, match=r"namespace '' holds 4 request slots; 3 new ones are over .*max_slots_per_namespace"):
+            c2.step(b)
+        assert len(c.slots()) == 4 and not c2.slots()  # a refused step changed nothing
+    close_engine(e)
