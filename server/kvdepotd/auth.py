@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.auth import check_token
-from kvdepotd.core.errors import DepotError
+from kvdepotd.core.errors import DepotError, NotFound, not_registered
 from kvdepotd.core.slots import MAX_ID_LEN
 
 MIN_TOKEN_LEN = 16
@@ -43,6 +43,16 @@ class Unauthenticated(DepotError):
 
 class PermissionDenied(DepotError):
     """A known token asking for what it may not do (PERMISSION_DENIED)."""
+
+
+class ForeignEngine(NotFound):
+    """An engine of another namespace than the token's. The caller is told what it would be told of
+    an engine that does not exist (NOT_FOUND, the same words), so a token learns nothing about other
+    namespaces' engines; `audit` says what happened, for the daemon's log."""
+
+    def __init__(self, engine_id: str, caller: Caller) -> None:
+        super().__init__(not_registered(engine_id))
+        self.audit = f"engine {engine_id} is not in the namespace of the call's token ({caller.describe()}); answered as not registered"
 
 
 @dataclass(frozen=True, slots=True)

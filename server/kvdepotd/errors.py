@@ -18,4 +18,7 @@ STATUS: dict[type[DepotError], grpc.StatusCode] = {
 
 
 def status_of(err: DepotError) -> grpc.StatusCode:
-    return STATUS.get(type(err), grpc.StatusCode.INVALID_ARGUMENT)
+    for cls in type(err).__mro__:  # a refinement (auth.ForeignEngine is a NotFound) answers as its kind
+        if cls in STATUS:
+            return STATUS[cls]
+    return grpc.StatusCode.INVALID_ARGUMENT

@@ -20,7 +20,7 @@ import grpc
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
-from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens, Unauthenticated
+from kvdepotd.auth import OPEN, Caller, ForeignEngine, PermissionDenied, Tokens, Unauthenticated
 from kvdepotd.core.records import Engine
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, RequestId
@@ -112,14 +112,14 @@ class DepotService(pb_grpc.BlockManagerServicer):
         caller = self.caller(context)
         eng = self.depot.engine(engine_id)
         if not caller.may_use(eng.namespace):
-            raise PermissionDenied(f"engine {engine_id} is not in the namespace of the call's token ({caller.describe()})")
+            raise ForeignEngine(engine_id, caller)
         return eng
 
     def refused(self, method: str, e: DepotError, context: Any) -> None:
         """A call refused for its token, in the log for whoever audits the daemon: the first of each
         kind at once, then at most one line per kind every AUDIT_S with the count in between.
         Other errors are the caller's to read, not the operator's: not logged."""
-        if not isinstance(e, (Unauthenticated, PermissionDenied)):
+        if not isinstance(e, (Unauthenticated, PermissionDenied, ForeignEngine)):
             return
         key = (method, type(e).__name__)
         now = time.monotonic()
@@ -129,7 +129,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             return
         self._refusals[key] = (now, 0)
         more = f" ({suppressed} more like it since the last line)" if suppressed else ""
-        log.warning("refused %s from %s: %s%s", method, context.peer(), e, more)
+        log.warning("refused %s from %s: %s%s", method, context.peer(), getattr(e, "audit", e), more)
 
     def tokens_changed(self) -> None:
         """Ends the worker streams whose token no longer drives their engine (their forward-done

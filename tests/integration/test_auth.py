@@ -128,12 +128,13 @@ def test_another_namespace_cannot_drive_or_inspect_an_engine(daemon: DaemonProce
             for method, req in calls:
                 with pytest.raises(grpc.RpcError) as e:
                     method(req, timeout=5, metadata=md)
-                assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED, (method, e.value.details())
-                assert "is not in the namespace of the call's token" in e.value.details()
+                # answered as for an engine that does not exist: a token learns nothing of other namespaces' engines
+                assert e.value.code() is grpc.StatusCode.NOT_FOUND, (method, e.value.details())
+                assert e.value.details() == f"engine '{eid}' is not registered (or its lease expired): register again"
             attach = pb.WorkerMessage(attach=pb.WorkerMessage.Attach(engine_id=eid, rank=0))
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.WorkerStream(iter([attach]), timeout=5, metadata=md))
-            assert e.value.code() is grpc.StatusCode.PERMISSION_DENIED
+            assert e.value.code() is grpc.StatusCode.NOT_FOUND
         assert a.slots()  # the engine and its slot are untouched
     log = daemon.log()  # for whoever audits the daemon: who was refused what, once per kind of refusal
     assert re.search(r"refused Step from ipv4:127\.0\.0\.1:\d+: engine eng-\w+ is not in the namespace", log), log[-3000:]
@@ -234,7 +235,7 @@ def test_a_lane_connection_acts_only_after_an_accepted_hello(daemon: DaemonProce
             assert lane_call(s, lookup)[0] == unauthenticated
             code, body = lane_call(s, pb.SessionRequest(hello=pb.Hello(token=B)))
             assert code == 0 and pb.SessionResponse.FromString(body).hello.namespace == "team-b"
-            assert lane_call(s, lookup)[0] == grpc.StatusCode.PERMISSION_DENIED.value[0]  # team-a's engine
+            assert lane_call(s, lookup)[0] == grpc.StatusCode.NOT_FOUND.value[0]  # team-a's engine: as if it did not exist
             assert lane_call(s, pb.SessionRequest(hello=pb.Hello(token=A)))[0] == 0
             assert lane_call(s, lookup)[0] == 0
         with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token="wrong-token-0123456789") as bad:

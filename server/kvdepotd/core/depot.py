@@ -36,7 +36,7 @@ from kvdepot.hashing import BlockHash
 from kvdepot.layout import KvLayout
 from kvdepotd.core import audit, lookup
 from kvdepotd.core.disk import DISK_MAX_RANKS, DiskJob, DiskPlanner, Domain, disk_record_bytes
-from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted
+from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted, not_registered
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
 from kvdepotd.core.plan import OpPlanner
 from kvdepotd.core.pool import BlockPool, SlabBudget, CellId
@@ -512,7 +512,7 @@ class Depot:
     def engine(self, engine_id: EngineId) -> Engine:
         eng = self.engines.get(engine_id)
         if eng is None:
-            raise NotFound(f"engine {engine_id!r} is not registered (or its lease expired): register again")
+            raise NotFound(not_registered(engine_id))
         return eng
 
     def _domain(self, layout: KvLayout) -> Domain:

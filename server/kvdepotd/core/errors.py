@@ -2,6 +2,10 @@
 these; a broken invariant asserts. Only kvdepotd.errors maps them to gRPC status codes."""
 
 
+def not_registered(engine_id: str) -> str:
+    return f"engine {engine_id!r} is not registered (or its lease expired): register again"
+
+
 class DepotError(Exception):
     """A caller mistake. The message says what was wrong; state is unchanged when it is raised."""
 
