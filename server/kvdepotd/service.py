@@ -20,7 +20,7 @@ import grpc
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepot.v1 import kvdepot_pb2_grpc as pb_grpc
 from kvdepotd import convert
-from kvdepotd.auth import OPEN, Caller, ForeignEngine, PermissionDenied, Tokens, Unauthenticated
+from kvdepotd.auth import OPEN, Caller, ForeignEngine, PermissionDenied, Tokens, Unauthenticated, bearer
 from kvdepotd.core.records import Engine
 from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, RequestId
@@ -407,7 +407,11 @@ class DepotService(pb_grpc.BlockManagerServicer):
     # -- inspection and admin ---------------------------------------------------------------------
     @rpc
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
-        self.caller(context)  # any known token: the figures name no engine or request
+        auth = self.auth  # the figures name nobody, but they add up every namespace's traffic
+        if auth is not None and not auth.may_scrape(bearer(context.invocation_metadata())):
+            raise PermissionDenied(
+                f"GetStats reports every namespace's figures together: it needs an admin or a metrics token, not {self.caller(context).describe()}"
+            )
         st = self.depot.stats()
         tiers = {"host": pb.TIER_HOST, "disk": pb.TIER_DISK}
         pools = [

@@ -187,6 +187,11 @@ def test_metrics_name_tenants_only_to_a_metrics_or_admin_token(daemon: DaemonPro
     for token in (SCRAPE, ADMIN):
         code, body = scrape(token)
         assert code == 200 and "kvdepot_namespace_engines" in body
+        with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=token) as c:  # GetStats likewise
+            assert c.stats().engines >= 0
+    with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=A) as c:
+        with pytest.raises(PermissionDenied, match="GetStats reports every namespace's figures together: it needs an admin or a metrics token"):
+            c.stats()
     with DepotClient(daemon.tcp, strict=True, deadline_s=5.0, token=SCRAPE) as c:  # a metrics token does nothing else
         with pytest.raises(PermissionDenied, match="a metrics token reads /metrics and nothing else"):
             c.register_engine("m", LAYOUT)
