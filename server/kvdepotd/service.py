@@ -151,9 +151,9 @@ class DepotService(pb_grpc.BlockManagerServicer):
     # -- engines ----------------------------------------------------------------------------------
     @rpc
     async def RegisterEngine(self, request: pb.RegisterEngineRequest, context: grpc.aio.ServicerContext) -> pb.RegisterEngineResponse:
+        caller = self.caller(context)  # first: a call without a valid token learns nothing
         if not request.HasField("layout"):
             raise InvalidRequest("layout is required")
-        caller = self.caller(context)
         namespace = request.namespace if caller.admin else caller.namespace
         if request.namespace and request.namespace != namespace:  # empty: the token's namespace
             raise PermissionDenied(f"namespace {request.namespace!r} is not the namespace of the call's token ({caller.describe()})")

@@ -281,8 +281,10 @@ class FakeEngine:
                     r.lost = True
         for rid in batch.finished:
             blocks = self.held.pop(rid, [])
-            if rid in result.delay_free:
-                self.held[rid] = blocks  # keep until RequestReleased
+            # Keep until RequestReleased. Where the daemon did not answer it may be frozen with ops
+            # on these blocks still before their deadline: keep them the release timeout too.
+            if rid in result.delay_free or (result.degraded and blocks):
+                self.held[rid] = blocks
                 self.held_until[rid] = (time.monotonic() + self.release_timeout_s, self.client.epoch)
             else:
                 for b in blocks:

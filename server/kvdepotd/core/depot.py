@@ -403,7 +403,7 @@ class Depot:
                 work = tuple([(i, b, c, pool.byte_offset(c)) for i, b, c in zip(op.block_indices, op.block_ids, op.tier_cells) if c is not None and i not in bad])
                 indices = tuple(op.block_indices)
                 failed = tuple(sorted(bad)) if bad else ()
-            parts.append(Part(op.op_id, op.kind, op.engine_id, rank, op.layout_class, op.step, op.check_late, indices, work, failed, op.message))
+            parts.append(Part(op.op_id, op.kind, op.engine_id, rank, op.layout_class, op.step, op.check_late, indices, work, failed, op.message, op.deadline_ms))
         return parts
 
     def part_copied(self, op_id: OpId, rank: int) -> None:

@@ -90,6 +90,9 @@ class Part:
     work: tuple[tuple[int, int, CellId, int], ...]  # to copy: (block index, engine block id, host cell, its byte offset in the host tier)
     failed: tuple[int, ...]  # block indices that failed before any copy
     message: str
+    # The op's deadline (wall-clock ms, as the engine keeps it): no engine block is touched at or
+    # after it, even by a daemon that was frozen past it and resumes mid-copy. 0: none.
+    deadline_ms: int = 0
 
 
 class OpTable:

@@ -89,6 +89,7 @@ class _Part:
     message: str = ""
 
 
+PAST_DEADLINE = "the op's deadline passed before its copy was done (was the daemon stalled?): no more engine blocks are touched"
 SHRUNK = "the engine's KV memory file is smaller than it registered (truncated): nothing is copied to or from it"
 
 
@@ -309,9 +310,14 @@ class HostCopyEngine(CopyEngine):
         if m.files and m.packed is None and m.shrunk():  # the native copy catches this itself, race and all
             _warn_shrunk(m)
             return [w[0] for w in work], [], SHRUNK
+        deadline_s = plan.deadline_ms / 1000 if plan.deadline_ms else float("inf")
         for k, (i, bid, cell, offset) in enumerate(work):
             if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
                 failed += [w[0] for w in work[k:]]
+                break
+            if time.time() >= deadline_s:  # the same, seen from here: the loop may not have run since (a frozen daemon resumed)
+                failed += [w[0] for w in work[k:]]
+                message = message or PAST_DEADLINE
                 break
             if bid >= m.num_blocks:
                 failed.append(i)
