@@ -2,7 +2,8 @@
 failing disk or a careless operator would; `kvdepotd check-disk` must report the damage (exit 1,
 never a crash), and the restarted daemon must keep every intact block and serve only right bytes.
 
-Each case prints one line (blocks tried, kept, lost): docs/security.md has the figures."""
+Each case prints one line (`fault: disk damage, <case>: tried N, survived N, lost N`): docs/disk.md
+has the figures."""
 
 from __future__ import annotations
 
@@ -148,7 +149,11 @@ def test_damage_is_reported_and_every_intact_block_kept(tmp_path_factory: pytest
     rc, report = check_disk(disk_dir)
     assert rc == 1 and report["problems"], report  # the damage is reported
     kept, failed = restarted(disk_dir)
-    print(f"disk damage: {case}: {BLOCKS} blocks, {kept} kept ({failed} of them failed their data check when read), {BLOCKS - kept} lost at start; intact: {want}; check-disk: {report['problems'][:2]}")
+    served = kept - failed  # kept at start and read back valid
+    print(
+        f"\nfault: disk damage, {case}: tried {BLOCKS}, survived {served}, lost {BLOCKS - served} "
+        f"({BLOCKS - kept} dropped at start, {failed} at their first read; at least {want} were intact); check-disk: {report['problems'][:2]}"
+    )
     if case == "50 random bit flips":
         assert want <= kept - failed and kept <= BLOCKS
         assert report["valid"] >= want
