@@ -228,9 +228,13 @@ def bench_lookup(c: DepotClient) -> dict[str, float]:
     }
 
 
+SCRAPE_TOKEN = secrets.token_hex(24)  # the --auth daemon's metrics token (its /metrics needs one)
+
+
 def daemon_totals(port: int, method: str) -> tuple[float, float]:
     """The daemon's RPC histogram for `method`: (seconds in total, calls)."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"})
+    body = urllib.request.urlopen(req, timeout=5).read().decode()
     total = count = 0.0
     for line in body.splitlines():
         if line.startswith(f'kvdepot_rpc_duration_seconds_sum{{method="{method}"}}'):
@@ -254,7 +258,7 @@ def main() -> int:
         token = secrets.token_hex(24)
         fd, tokens_path = tempfile.mkstemp(suffix=".toml")
         with os.fdopen(fd, "w") as f:
-            f.write(f'[namespaces]\nbench = "{token}"\n')
+            f.write(f'metrics = "{SCRAPE_TOKEN}"\n[namespaces]\nbench = "{token}"\n')
         auth_args = ["--auth-file", tokens_path]
     for attempt in range(3):  # a free port can be taken by another process before the daemon binds it
         metrics_port = free_port()

@@ -91,7 +91,7 @@ class AsyncDepotClient(ClientCore):
         self, request_id: str, tokens: Sequence[int], *, device_matched_tokens: int = 0, cache_salt: str = "", lora_name: str = "", pin_ms: int = 0
     ) -> m.LookupResult:
         req = self._lookup_request(request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
-        if req is None:
+        if req is None or self._quiet():
             return m.MISS
         try:
             if (r := await self._session_call(pb.SessionRequest(lookup=req))) is not None:
@@ -105,6 +105,8 @@ class AsyncDepotClient(ClientCore):
         req = self._step_request(batch)
         if isinstance(req, m.StepResult):
             return req
+        if self._quiet():
+            return m.StepResult(self._step, degraded=True)
         try:
             if (r := await self._session_call(pb.SessionRequest(step=req))) is not None:
                 return m.step_result(r.step)

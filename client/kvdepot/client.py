@@ -129,7 +129,7 @@ class DepotClient(ClientCore):
         """E: the tokens beyond the engine's own hit the daemon can load, pinned for the request;
         a miss with degraded=True when the daemon does not answer within timeout_s (deadline_s)."""
         req = self._lookup_request(request_id, tokens, device_matched_tokens, cache_salt, lora_name, pin_ms)
-        if req is None:
+        if req is None or self._quiet():
             return m.MISS
         timeout_s = timeout_s or self.deadline_s
         try:
@@ -145,6 +145,8 @@ class DepotClient(ClientCore):
         req = self._step_request(batch)
         if isinstance(req, m.StepResult):
             return req
+        if self._quiet():
+            return m.StepResult(self._step, degraded=True)
         try:
             if (r := self._engine_call(pb.SessionRequest(step=req), self.deadline_s)) is not None:
                 return m.step_result(r.step)

@@ -64,6 +64,7 @@ class DaemonConfig:
     disk_direct_io: bool = True
     disk_threads: int = 2
     fault_load_delay_ms: int = 0
+    fault_store_delay_ms: int = 0
     fault_corrupt_loads: int = 0
 
     @property
@@ -147,6 +148,7 @@ HELP: dict[str, str] = {
     "disk_direct_io": "true: disk I/O with O_DIRECT (no page cache); false: buffered I/O. Default true",
     "disk_threads": "threads writing to disk and checking what was read (one more thread issues the reads). Default 2",
     "fault_load_delay_ms": "fault injection for tests: every load waits this long before copying. Default 0",
+    "fault_store_delay_ms": "fault injection for tests: every store waits this long before copying. Default 0",
     "fault_corrupt_loads": "fault injection for tests: the next N blocks loaded have their host bytes flipped first "
     "(the checksum must catch them). Default 0",
 }
@@ -273,6 +275,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "disk_direct_io": _bool,
     "disk_threads": _positive("disk_threads", int),
     "fault_load_delay_ms": _positive("fault_load_delay_ms", int, allow_zero=True),
+    "fault_store_delay_ms": _positive("fault_store_delay_ms", int, allow_zero=True),
     "fault_corrupt_loads": _positive("fault_corrupt_loads", int, allow_zero=True),
 }
 

@@ -64,6 +64,7 @@ MAX_PENDING = 4096
 MAX_CONNECTIONS = 256  # connections open at once (an idle one costs a descriptor, no thread)
 PER_UID = 16  # of which one peer user may hold
 REQUEST_TIMEOUT_S = 2.0  # to deliver a whole request, from connecting or from the last answer
+LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +139,7 @@ class Handoffs:
         self._listeners: list[socket.socket] = []
         self._closed = False
         self.addresses: list[str] = []
-        self.evicted = 0  # connections closed to make room, or for missing their deadline
+        self._warned = -LOG_EVERY_S  # when a connection closed to make room was last logged
 
     def listen(self, grpc_address: str) -> str:
         path = unix_path(grpc_address) + ".handoff"
@@ -178,10 +179,16 @@ class Handoffs:
             return len(self._held)
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
-        self._wake_w.send(b"x")
         if self._thread is not None:
+            self._wake_w.send(b"x")
             self._thread.join(5)
+        else:
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
         for sock in self._listeners:
             sock.close()
         with self._lock:
@@ -204,7 +211,6 @@ class Handoffs:
                         self._readable(c)
                 now = time.monotonic()
                 for c in [c for c in self._conns.values() if c.deadline <= now]:
-                    self.evicted += 1
                     self._end(c)  # too slow to send a request: its place goes to others
         finally:
             for c in list(self._conns.values()):
@@ -240,8 +246,10 @@ class Handoffs:
     def _make_room(self, among: list[_Conn], why: str) -> None:
         """Closes the oldest connection of `among`, one that is still waiting for a request first."""
         victim = min(among, key=lambda c: (bool(c.buf), c.opened))
-        self.evicted += 1
-        log.warning("handoff: %s: closing the oldest waiting one (pid %d)", why, victim.pid)
+        now = time.monotonic()
+        if now - self._warned >= LOG_EVERY_S:  # a flood of connections must not flood the log
+            self._warned = now
+            log.warning("handoff: %s: closing the oldest waiting one (pid %d uid %d)", why, victim.pid, victim.uid)
         self._end(victim)
 
     def _end(self, c: _Conn) -> None:

@@ -67,7 +67,7 @@ class Runtime:
     def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None, store_nice: int = 10) -> None:
         self.depot = depot
         self.metrics = metrics
-        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice)
+        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice, clock_ms=now_ms)
         self.disk: DiskCopyEngine | None = None
         self.channels: dict[Rank, WorkerChannel] = {}
         self.backlog: dict[Rank, deque[pb.WorkerEvent]] = {}

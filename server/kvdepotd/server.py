@@ -181,9 +181,12 @@ class Daemon:
         # wait on each other) and slow the copies down.
         torch.set_num_threads(1)
         self.metrics = Metrics(self.depot, lambda: self.runtime.copy.mapped_bytes)
-        faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads)
-        if faults.load_delay_ms or faults.corrupt_loads:
-            log.warning("fault injection on: loads wait %d ms; the next %d loaded blocks are corrupted", faults.load_delay_ms, faults.corrupt_loads)
+        faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads, cfg.fault_store_delay_ms)
+        if faults.load_delay_ms or faults.corrupt_loads or faults.store_delay_ms:
+            log.warning(
+                "fault injection on: loads wait %d ms, stores %d ms; the next %d loaded blocks are corrupted",
+                faults.load_delay_ms, faults.store_delay_ms, faults.corrupt_loads,
+            )
         self.runtime = Runtime(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, store_nice=cfg.store_nice, faults=faults)
         self.service = DepotService(self.runtime)
         self.service.auth = tokens

@@ -44,7 +44,7 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
     async def main() -> None:
         arena = HostArena(1 << 20)
         depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
-        copy = HostCopyEngine(lambda done: [depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt) for d in done], arena)
+        copy = HostCopyEngine(lambda done: [depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt) for d in done], arena, clock_ms=lambda: 0)
         depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0)
         copy.add_engine(E, LAYOUT)
         kv = FakeKv(LAYOUT, num_blocks=8)
@@ -105,7 +105,7 @@ async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Op
                 load_done.set()
             depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
 
-    copy = HostCopyEngine(done, arena, threads=1)
+    copy = HostCopyEngine(done, arena, threads=1, clock_ms=lambda: 0)
     depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0)
     copy.add_engine(E, LAYOUT)
     kv = FakeKv(LAYOUT, num_blocks=32)
@@ -168,7 +168,7 @@ def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> 
             for d in parts:
                 depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
 
-        copy = HostCopyEngine(done, arena, on_copied=copied)
+        copy = HostCopyEngine(done, arena, on_copied=copied, clock_ms=lambda: 0)
         depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0, late_load_checks=True)
         copy.add_engine(E, LAYOUT)
         kv = FakeKv(LAYOUT, num_blocks=8)

@@ -96,6 +96,7 @@ class FakeEngine:
         self.sparse = sparse  # send cached updates only when they matter (cached_update_needed)
         self.release_timeout_s = release_timeout_s  # longer than the daemon's op deadline
         self.held_until: dict[str, tuple[float, int]] = {}  # delay-freed request -> (give up at, epoch)
+        self._had_ops: set[str] = set()  # requests the daemon planned ops for (its answers said so)
         self.kv: FakeKv | None = None
         if layout is not None and layout.kind != "none":
             assert layout.block_size == block_size and layout.world_size == world_size
@@ -271,6 +272,7 @@ class FakeEngine:
                     self._unref(b)
             return None
         result = self.client.step(batch)
+        self._had_ops.update(op.request_id for op in result.ops)
         if result.degraded:
             # The daemon may or may not have applied these updates: its record of them is unknown,
             # so they get no more updates (resending tokens could double them there). They are
@@ -283,7 +285,9 @@ class FakeEngine:
             blocks = self.held.pop(rid, [])
             # Keep until RequestReleased. Where the daemon did not answer it may be frozen with ops
             # on these blocks still before their deadline: keep them the release timeout too.
-            if rid in result.delay_free or (result.degraded and blocks):
+            had_ops = rid in self._had_ops
+            self._had_ops.discard(rid)
+            if rid in result.delay_free or (result.degraded and had_ops and blocks):
                 self.held[rid] = blocks
                 self.held_until[rid] = (time.monotonic() + self.release_timeout_s, self.client.epoch)
             else:

@@ -61,6 +61,7 @@ class Faults:
 
     load_delay_ms: int = 0
     corrupt_loads: int = 0  # blocks still to corrupt before they are checked
+    store_delay_ms: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take_corruption(self) -> bool:
@@ -110,8 +111,11 @@ class HostCopyEngine(CopyEngine):
         faults: Faults | None = None,
         on_copied: Callable[[int, int], None] | None = None,
         store_nice: int = 10,
+        clock_ms: Callable[[], float] = lambda: time.time() * 1000,
     ) -> None:
+        """`clock_ms`: the clock ops' deadlines are in (the runtime's: wall-clock milliseconds)."""
         super().__init__(on_done)
+        self.clock_ms = clock_ms
         self.on_copied = on_copied  # (op id, rank): a late-checked load's bytes are in the engine
         self.arena = arena
         self.faults = faults or Faults()
@@ -305,17 +309,19 @@ class HostCopyEngine(CopyEngine):
         arena, faults = self.arena, self.faults
         if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
             time.sleep(faults.load_delay_ms / 1000)
+        if first and store and faults.store_delay_ms:
+            time.sleep(faults.store_delay_ms / 1000)
         if store and not arena.ensure(max(w[3] for w in work) + rank_off + rank_bytes):  # memory behind the cells
             return [w[0] for w in work], [], arena.error
         if m.files and m.packed is None and m.shrunk():  # the native copy catches this itself, race and all
             _warn_shrunk(m)
             return [w[0] for w in work], [], SHRUNK
-        deadline_s = plan.deadline_ms / 1000 if plan.deadline_ms else float("inf")
+        deadline, clock = plan.deadline_ms or float("inf"), self.clock_ms
         for k, (i, bid, cell, offset) in enumerate(work):
             if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
                 failed += [w[0] for w in work[k:]]
                 break
-            if time.time() >= deadline_s:  # the same, seen from here: the loop may not have run since (a frozen daemon resumed)
+            if clock() >= deadline:  # the same, seen from here: the loop may not have run since (a frozen daemon resumed)
                 failed += [w[0] for w in work[k:]]
                 message = message or PAST_DEADLINE
                 break
