@@ -94,9 +94,10 @@ class AsyncDepotClient(ClientCore):
         if req is None or self._quiet():
             return m.MISS
         try:
-            if (r := await self._session_call(pb.SessionRequest(lookup=req))) is not None:
-                return m.lookup_result(r.lookup)
-            return m.lookup_result(await self._stub.Lookup(req, timeout=self.deadline_s))
+            if (r := await self._session_call(pb.SessionRequest(lookup=req))) is None:
+                r = pb.SessionResponse(lookup=await self._stub.Lookup(req, timeout=self.deadline_s))
+            self._late = 0
+            return m.lookup_result(r.lookup)
         except grpc.RpcError as e:
             degraded(self, e, "lookup")
             return m.MISS
@@ -108,9 +109,10 @@ class AsyncDepotClient(ClientCore):
         if self._quiet():
             return m.StepResult(self._step, degraded=True)
         try:
-            if (r := await self._session_call(pb.SessionRequest(step=req))) is not None:
-                return m.step_result(r.step)
-            return m.step_result(await self._stub.Step(req, timeout=self.deadline_s))
+            if (r := await self._session_call(pb.SessionRequest(step=req))) is None:
+                r = pb.SessionResponse(step=await self._stub.Step(req, timeout=self.deadline_s))
+            self._late = 0
+            return m.step_result(r.step)
         except grpc.RpcError as e:
             degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)

@@ -133,9 +133,10 @@ class DepotClient(ClientCore):
             return m.MISS
         timeout_s = timeout_s or self.deadline_s
         try:
-            if (r := self._engine_call(pb.SessionRequest(lookup=req), timeout_s)) is not None:
-                return m.lookup_result(r.lookup)
-            return m.lookup_result(self._stub.Lookup(req, timeout=timeout_s))
+            if (r := self._engine_call(pb.SessionRequest(lookup=req), timeout_s)) is None:
+                r = pb.SessionResponse(lookup=self._stub.Lookup(req, timeout=timeout_s))
+            self._late = 0
+            return m.lookup_result(r.lookup)
         except grpc.RpcError as e:
             degraded(self, e, "lookup")
             return m.MISS
@@ -148,9 +149,10 @@ class DepotClient(ClientCore):
         if self._quiet():
             return m.StepResult(self._step, degraded=True)
         try:
-            if (r := self._engine_call(pb.SessionRequest(step=req), self.deadline_s)) is not None:
-                return m.step_result(r.step)
-            return m.step_result(self._stub.Step(req, timeout=self.deadline_s))
+            if (r := self._engine_call(pb.SessionRequest(step=req), self.deadline_s)) is None:
+                r = pb.SessionResponse(step=self._stub.Step(req, timeout=self.deadline_s))
+            self._late = 0
+            return m.step_result(r.step)
         except grpc.RpcError as e:
             degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)

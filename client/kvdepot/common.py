@@ -29,9 +29,11 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 REJECTION_LOG_S = 30
-# After an engine-path call the daemon did not answer within its deadline (a frozen or overloaded
-# daemon, a black-holed network), engine-path calls answer a miss at once for this long, then one
-# call tries again: a daemon that stays silent costs the engine one deadline a second, not one a step.
+# After QUIET_AFTER engine-path calls in a row the daemon did not answer within their deadline (a
+# frozen or overloaded daemon, a black-holed network), engine-path calls answer a miss at once for
+# QUIET_S, then one call tries again: a daemon that stays silent costs the engine one deadline a
+# second, not one a step. One late answer alone (a busy machine) costs one miss, as before.
+QUIET_AFTER = 2
 QUIET_S = 1.0
 
 
@@ -77,12 +79,14 @@ def degraded(client: Any, e: grpc.RpcError, what: str) -> None:
         raise from_rpc_error(e, client.address) from None
     if code is grpc.StatusCode.NOT_FOUND and client._reg is not None and "is not registered" in (e.details() or ""):
         client._reg.engine_id = ""  # the daemon restarted or our lease expired: the keeper re-registers
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+    client._late = client._late + 1 if code is grpc.StatusCode.DEADLINE_EXCEEDED else 0
+    if client._late >= QUIET_AFTER:
         client._quiet_until = time.monotonic() + QUIET_S
         if client._rejections.due("quiet"):
             log.warning(
-                "kvdepot: the daemon at %s did not answer a %s within %.0f ms; engine calls are misses for %.0f s at a time "
-                "until it answers (said at most every %d s)", client.address, what, client.deadline_s * 1000, QUIET_S, REJECTION_LOG_S,
+                "kvdepot: the daemon at %s did not answer %d engine calls in a row (the last a %s) within %.0f ms; engine calls are "
+                "misses for %.0f s at a time until it answers (said at most every %d s)",
+                client.address, client._late, what, client.deadline_s * 1000, QUIET_S, REJECTION_LOG_S,
             )
     if code in MISSES or code is grpc.StatusCode.NOT_FOUND:
         log.debug("kvdepot %s degraded to a miss: %s", what, code.name)
@@ -107,6 +111,7 @@ class ClientCore:
         self._rejections = Every(REJECTION_LOG_S)
         self._next_beat = 0.0
         self._quiet_until = 0.0  # engine-path calls are misses until then (QUIET_S)
+        self._late = 0  # engine-path calls in a row the daemon did not answer in time
 
     def _quiet(self) -> bool:
         """The daemon did not answer an engine-path call in time a moment ago: answer a miss at once."""
