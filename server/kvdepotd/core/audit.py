@@ -72,6 +72,7 @@ def check_invariants(
     host_pins: Counter[BlockHash] = Counter()
     disk_pins: Counter[BlockHash] = Counter()
     for eng in engines.values():
+        assert eng.pin_tokens == sum(len(p.tokens) >> 2 for p in eng.pins.values()), "pinned prompt tokens out of step"
         for p in eng.pins.values():
             for h, on_disk in zip(p.hashes, p.on_disk):
                 (disk_pins if on_disk else host_pins)[h] += 1

@@ -286,7 +286,7 @@ class ClassStore:
     # -- set-up and recovery -------------------------------------------------------------------------
     def open_new(self) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        _write_atomic(os.path.join(self.dir, META), json.dumps(self.meta()).encode())
+        write_atomic(os.path.join(self.dir, META), json.dumps(self.meta()).encode())
         self._journal_fd = os.open(os.path.join(self.dir, JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def recover(self, max_slabs: int) -> Recovered:
@@ -433,7 +433,7 @@ class ClassStore:
         """A journal that lists exactly the live blocks, swapped in atomically."""
         live = self.live if live is None else live
         data = b"".join(self._record(ADD, cell, e.gen, e.hash, e.parent) for cell, e in live.items())
-        _write_atomic(os.path.join(self.dir, JOURNAL), data)
+        write_atomic(os.path.join(self.dir, JOURNAL), data)
         if self._journal_fd >= 0:
             os.close(self._journal_fd)
         self._journal_fd = os.open(os.path.join(self.dir, JOURNAL), os.O_WRONLY | os.O_APPEND)
@@ -613,7 +613,7 @@ class ClassStore:
             self._slabs.clear()
 
 
-def _write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes) -> None:
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:

@@ -17,12 +17,11 @@ import json
 import logging
 import os
 import time
-
 from typing import Any
 
 from kvdepotd.core.disk import DISK_ALIGN, DISK_HEADER_BYTES, disk_record_bytes
 from kvdepotd.storage.disk import (
-    FORMAT_VERSION, JOURNAL, MAGIC, MAX_RANKS, META, ClassStore, DiskError, Header, Recovered, _write_atomic, class_dir_name, parse_header,
+    FORMAT_VERSION, JOURNAL, MAGIC, MAX_RANKS, META, ClassStore, DiskError, Header, Recovered, write_atomic, class_dir_name, parse_header,
 )
 
 log = logging.getLogger("kvdepotd")
@@ -75,7 +74,7 @@ class DiskStore:
                 _clear(d)
                 continue
             if problem:
-                _write_atomic(os.path.join(d, META), json.dumps(meta).encode())
+                write_atomic(os.path.join(d, META), json.dumps(meta).encode())
             out.append(meta)
         return out
 
