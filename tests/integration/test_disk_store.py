@@ -126,3 +126,37 @@ def test_one_directory_one_store(tmp_path: str) -> None:
 @pytest.fixture
 def tmp_path(tmp_path_factory: pytest.TempPathFactory) -> str:  # type: ignore[override]
     return str(tmp_path_factory.mktemp("store"))
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [b"", b"[]", b"\xff\xfe garbage", b'{"version": 2, "layout_class": 5}', b'{"version": 2, "layout_class": "x", "block_bytes": -1, "world_size": 1, '
+     b'"record_bytes": 8192, "blocks_per_slab": 8}', b'{"version": 1}'],
+)
+def test_check_disk_reports_malformed_files_and_never_crashes(tmp_path: str, meta: bytes) -> None:
+    d = os.path.join(tmp_path, "some-class")
+    os.makedirs(d)
+    with open(os.path.join(d, "meta.json"), "wb") as f:
+        f.write(meta)
+    with open(os.path.join(d, JOURNAL), "wb") as f:
+        f.write(os.urandom(REC_BYTES * 3 + 5))
+    with open(os.path.join(d, "slab-00000.kv"), "wb") as f:
+        f.write(os.urandom(3 * 8192))
+    report = verify(tmp_path)
+    assert report["problems"] and report["valid"] == 0, report
+    assert "meta.json" in report["problems"][0]
+
+
+def test_a_damaged_meta_json_is_rebuilt_from_the_headers_and_a_cut_slab_keeps_what_precedes_the_cut(tmp_path: str) -> None:
+    s = store(tmp_path, 4096)
+    _, base = blocks(8, 4096)
+    write(s, base, list(range(8)))
+    s.close()
+    os.unlink(os.path.join(s.dir, "meta.json"))
+    os.truncate(s.slab_path(0), 5 * s.record_bytes + 100)  # cells 0-4 whole, 5 cut, 6-7 gone
+    report = verify(tmp_path)
+    assert report["blocks"] == report["valid"] == 5 and report["bad"] == 3, report
+    assert any("3 blocks dropped: slab file cut short before it" in p for p in report["problems"])
+    assert any("meta.json is missing; rebuilt from the block headers" in p for p in report["problems"])
+    assert os.path.getsize(s.slab_path(0)) == 5 * s.record_bytes + 100  # check-disk changed nothing
+    assert not os.path.exists(os.path.join(s.dir, "meta.json"))

@@ -54,9 +54,10 @@ log = logging.getLogger("kvdepotd")
 
 FORMAT_VERSION = 2
 MAGIC = b"KVDPBLK2"
-# magic, generation, hash, parent, has_parent, ranks, data bytes, owner bytes, class bytes; then ranks x
-# u64 checksums, the owner (namespace) and the layout class in UTF-8, then u64 header checksum
-_HEAD = struct.Struct("<8sQQQB3xIQHH")
+# magic, generation, hash, parent, has_parent, ranks, data bytes, owner bytes, class bytes, blocks per
+# slab; then ranks x u64 checksums, the owner (namespace) and the layout class in UTF-8, then u64
+# header checksum
+_HEAD = struct.Struct("<8sQQQB3xIQHHI")
 MAX_OWNER_BYTES = 1024  # 256 characters of UTF-8 (core.slots.MAX_ID_LEN)
 MAX_CLASS_BYTES = 256
 MAX_RANKS = (DISK_HEADER_BYTES - _HEAD.size - 8 - MAX_OWNER_BYTES - MAX_CLASS_BYTES) // 8
@@ -95,6 +96,7 @@ class Header:
     block_bytes: int
     owner: str  # the namespace whose engine stored it
     layout_class: str
+    blocks_per_slab: int  # the geometry of the files it was written into
 
 
 @dataclass(slots=True)
@@ -123,7 +125,7 @@ class Survey:
 def parse_header(raw: bytes) -> Header | None:
     """A block header, or None when it is not an intact one (any class)."""
     try:
-        magic, gen, h, parent, has_parent, ranks, nbytes, olen, clen = _HEAD.unpack_from(raw)
+        magic, gen, h, parent, has_parent, ranks, nbytes, olen, clen, per_slab = _HEAD.unpack_from(raw)
         if magic != MAGIC or ranks > MAX_RANKS or olen > MAX_OWNER_BYTES or clen > MAX_CLASS_BYTES:
             return None
         end = _HEAD.size + 8 * ranks + olen + clen
@@ -135,7 +137,7 @@ def parse_header(raw: bytes) -> Header | None:
         owner, layout_class = names[:olen].decode(), names[olen:].decode()
     except (struct.error, UnicodeDecodeError):
         return None
-    return Header(gen, h, parent if has_parent else None, sums, nbytes, owner, layout_class)
+    return Header(gen, h, parent if has_parent else None, sums, nbytes, owner, layout_class, per_slab)
 
 
 def class_dir_name(layout_class: str) -> str:
@@ -252,14 +254,18 @@ class ClassStore:
     # -- headers and journal records ---------------------------------------------------------------
     def _header(self, buf: mmap.mmap, at: int, gen: int, h: int, parent: int | None, sums: list[int], owner: str) -> None:
         o = owner.encode()[:MAX_OWNER_BYTES]
-        head = _HEAD.pack(MAGIC, gen, h, parent or 0, parent is not None, len(sums), self.block_bytes, len(o), len(self._class_name))
+        head = _HEAD.pack(
+            MAGIC, gen, h, parent or 0, parent is not None, len(sums), self.block_bytes, len(o), len(self._class_name), self.blocks_per_slab
+        )
         body = head + struct.pack(f"<{len(sums)}Q", *sums) + o + self._class_name
         buf[at : at + len(body) + 8] = body + struct.pack("<Q", xxh3_bytes(body))
 
     def parse_header(self, raw: bytes) -> Header | None:
         """The header, or None when it is not an intact header of this class."""
         head = parse_header(raw)
-        if head is None or len(head.sums) != self.world_size or head.block_bytes != self.block_bytes or head.layout_class != self.layout_class:
+        if head is None or (len(head.sums), head.block_bytes, head.layout_class, head.blocks_per_slab) != (
+            self.world_size, self.block_bytes, self.layout_class, self.blocks_per_slab
+        ):
             return None
         return head
 

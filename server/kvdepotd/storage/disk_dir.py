@@ -110,8 +110,8 @@ class DiskStore:
 def read_meta(d: str) -> tuple[dict[str, Any] | None, str]:
     """A class directory's meta.json, checked, and what was wrong with it (empty when nothing).
     A meta.json that is missing, does not parse or says something impossible is rebuilt from the
-    first intact block header in the slab files (a header names its class, block size and ranks;
-    the slab files' size gives blocks per slab); None when there is none."""
+    first intact block header in the slab files (a header names its class, block size, ranks and
+    blocks per slab); None when there is none."""
     try:
         with open(os.path.join(d, META), "rb") as f:
             raw = json.loads(f.read())
@@ -160,20 +160,18 @@ def _meta_from_headers(d: str) -> dict[str, Any] | None:
                         break
                     for k in range(0, len(chunk) - DISK_HEADER_BYTES + 1, DISK_ALIGN):
                         if chunk[k : k + 8] == MAGIC and (head := parse_header(chunk[k : k + DISK_HEADER_BYTES])) is not None:
-                            return _meta_of_header(d, head, slabs)
+                            return _meta_of_header(d, head)
                     at += len(chunk)
         except OSError:
             continue
     return None
 
 
-def _meta_of_header(d: str, head: Header, slabs: list[str]) -> dict[str, Any] | None:
-    record = disk_record_bytes(head.block_bytes)
-    size = max(os.stat(os.path.join(d, n)).st_size for n in slabs)
+def _meta_of_header(d: str, head: Header) -> dict[str, Any] | None:
     try:
         meta = _checked_meta(
             {"version": FORMAT_VERSION, "layout_class": head.layout_class, "block_bytes": head.block_bytes,
-             "world_size": len(head.sums), "record_bytes": record, "blocks_per_slab": size // record}
+             "world_size": len(head.sums), "record_bytes": disk_record_bytes(head.block_bytes), "blocks_per_slab": head.blocks_per_slab}
         )
     except ValueError:
         return None
