@@ -189,6 +189,7 @@ def run(cfg: config.DaemonConfig) -> int:
     if busy:
         logging.getLogger("kvdepotd").error("cannot start: another process is listening on %s", busy)
         return 1
+    raise_fd_limit()
     from kvdepotd.server import Daemon, StartupError
 
     try:
@@ -201,6 +202,20 @@ def run(cfg: config.DaemonConfig) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def raise_fd_limit() -> None:
+    """Descriptors up to the hard limit: every client connection (gRPC, lane, handoff) holds one, and
+    running out would stop the daemon opening disk files or accepting engines for everyone."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (OSError, ValueError) as e:
+            logging.getLogger("kvdepotd").warning("cannot raise the descriptor limit from %d to %d: %s", soft, want, e)
 
 
 if __name__ == "__main__":

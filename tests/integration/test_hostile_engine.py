@@ -156,3 +156,14 @@ def test_lookup_pins_and_slots_are_capped(depot: DaemonProcess) -> None:
             c2.step(b)
         assert len(c.slots()) == 4 and not c2.slots()  # a refused step changed nothing
     close_engine(e)
+
+
+def test_the_daemon_raises_its_descriptor_limit(depot: DaemonProcess) -> None:
+    """Each client connection holds a descriptor: the daemon takes all the system allows it, so
+    running out needs far more connections than the default soft limit of 1024."""
+    import resource
+
+    with open(f"/proc/{depot.proc.pid}/limits") as f:
+        soft, hard = next(line.split()[3:5] for line in f if line.startswith("Max open files"))
+    _, own_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard and int(soft) >= min(own_hard, 1 << 20)
