@@ -94,10 +94,10 @@ class AsyncDepotClient(ClientCore):
         if req is None or self._quiet():
             return m.MISS
         try:
-            if (r := await self._session_call(pb.SessionRequest(lookup=req))) is None:
-                r = pb.SessionResponse(lookup=await self._stub.Lookup(req, timeout=self.deadline_s))
+            r = await self._session_call(pb.SessionRequest(lookup=req))
+            got = m.lookup_result(r.lookup if r is not None else await self._stub.Lookup(req, timeout=self.deadline_s))
             self._late = 0
-            return m.lookup_result(r.lookup)
+            return got
         except grpc.RpcError as e:
             degraded(self, e, "lookup")
             return m.MISS
@@ -109,10 +109,10 @@ class AsyncDepotClient(ClientCore):
         if self._quiet():
             return m.StepResult(self._step, degraded=True)
         try:
-            if (r := await self._session_call(pb.SessionRequest(step=req))) is None:
-                r = pb.SessionResponse(step=await self._stub.Step(req, timeout=self.deadline_s))
+            r = await self._session_call(pb.SessionRequest(step=req))
+            res = m.step_result(r.step if r is not None else await self._stub.Step(req, timeout=self.deadline_s))
             self._late = 0
-            return m.step_result(r.step)
+            return res
         except grpc.RpcError as e:
             degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)

@@ -133,10 +133,10 @@ class DepotClient(ClientCore):
             return m.MISS
         timeout_s = timeout_s or self.deadline_s
         try:
-            if (r := self._engine_call(pb.SessionRequest(lookup=req), timeout_s)) is None:
-                r = pb.SessionResponse(lookup=self._stub.Lookup(req, timeout=timeout_s))
+            r = self._engine_call(pb.SessionRequest(lookup=req), timeout_s)
+            got = m.lookup_result(r.lookup if r is not None else self._stub.Lookup(req, timeout=timeout_s))
             self._late = 0
-            return m.lookup_result(r.lookup)
+            return got
         except grpc.RpcError as e:
             degraded(self, e, "lookup")
             return m.MISS
@@ -149,10 +149,10 @@ class DepotClient(ClientCore):
         if self._quiet():
             return m.StepResult(self._step, degraded=True)
         try:
-            if (r := self._engine_call(pb.SessionRequest(step=req), self.deadline_s)) is None:
-                r = pb.SessionResponse(step=self._stub.Step(req, timeout=self.deadline_s))
+            r = self._engine_call(pb.SessionRequest(step=req), self.deadline_s)
+            res = m.step_result(r.step if r is not None else self._stub.Step(req, timeout=self.deadline_s))
             self._late = 0
-            return m.step_result(r.step)
+            return res
         except grpc.RpcError as e:
             degraded(self, e, "step")
             return m.StepResult(self._step, degraded=True)
