@@ -17,7 +17,9 @@ answered RESOURCE_EXHAUSTED and the connection is closed.
 
 Tokens (--auth-file): a lane has no metadata, so a connection's first request is a `hello`
 carrying the token, and its later requests act for the token of its last accepted hello, checked
-again on every request (a token taken out of the file on SIGHUP stops working at once).
+again on every request (a token taken out of the file on SIGHUP stops working at once). A
+connection with no accepted hello HELLO_S after it opened is closed, so connections nobody lets
+in cannot pile up.
 
 Where: beside each `--listen` address, `unix:PATH` gets `unix:PATH.lane` and `HOST:PORT` gets
 the same host on `--lane-port` (0, the default: a port of the system's choosing); under TLS
@@ -68,11 +70,15 @@ class LaneContext:
         raise grpc.aio.AbortError(details)
 
 
+HELLO_S = 5.0  # where tokens are required, a connection without an accepted hello by then is closed
+
+
 class LaneConnection(asyncio.Protocol):
-    def __init__(self, answer: Answer, max_frame: int, connections: set[LaneConnection]) -> None:
+    def __init__(self, answer: Answer, max_frame: int, connections: set[LaneConnection], tokens_required: Callable[[], bool]) -> None:
         self._answer = answer
         self._max_frame = max_frame
         self._connections = connections
+        self._tokens_required = tokens_required
         self._buf = bytearray()
         self._transport: asyncio.Transport | None = None
         self._busy = False
@@ -85,6 +91,14 @@ class LaneConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self._peer = f"lane {peer[0]}:{peer[1]}" if isinstance(peer, tuple) else "lane (unix socket)"
         self._connections.add(self)
+        asyncio.get_running_loop().call_later(HELLO_S, self._hello_due)
+
+    def _hello_due(self) -> None:
+        """A connection that holds a descriptor without ever being let in (no accepted hello where
+        tokens are required) is closed: idle strangers cannot pile up connections."""
+        if self._transport is not None and not self._token and self._tokens_required():
+            log.info("%s: no accepted hello within %.0f s; closing it", self._peer, HELLO_S)
+            self.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connections.discard(self)
@@ -151,9 +165,10 @@ class LaneConnection(asyncio.Protocol):
 class Lanes:
     """The daemon's lane listeners and their open connections."""
 
-    def __init__(self, answer: Answer, max_frame: int) -> None:
+    def __init__(self, answer: Answer, max_frame: int, tokens_required: Callable[[], bool] = lambda: False) -> None:
         self._answer = answer
         self._max_frame = max_frame
+        self._tokens_required = tokens_required
         self._servers: list[asyncio.AbstractServer] = []
         self._connections: set[LaneConnection] = set()
         self.addresses: list[str] = []
@@ -162,7 +177,7 @@ class Lanes:
         return len(self._connections)
 
     def _factory(self) -> LaneConnection:
-        return LaneConnection(self._answer, self._max_frame, self._connections)
+        return LaneConnection(self._answer, self._max_frame, self._connections, self._tokens_required)
 
     async def listen(self, grpc_address: str, port: int = 0, tls: ssl.SSLContext | None = None) -> str:
         """Opens the lane beside one gRPC listen address (TCP: on `port`, 0 for the system's

@@ -194,7 +194,7 @@ class Daemon:
         self.metrics.recovery = self.recovery
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
-        self.lanes = Lanes(self.service.answer, cfg.max_message_mib << 20)
+        self.lanes = Lanes(self.service.answer, cfg.max_message_mib << 20, lambda: self.service.auth is not None)
         self.handoffs = Handoffs(lambda: self.service.auth)
         self.metrics.handoff_pending.set_function(self.handoffs.pending)
         self.metrics.host_backed.set_function(lambda: self.arena.ready_bytes)

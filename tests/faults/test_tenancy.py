@@ -6,6 +6,7 @@ an engine, request or block that does not exist, or a refusal that names no tena
 from __future__ import annotations
 
 import socket
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -145,6 +146,12 @@ def test_no_rpc_tells_a_tenant_anything_of_another(daemon: DaemonProcess, tmp_pa
         got = [lane_call(s, pb.SessionRequest(lookup=pb.LookupRequest(engine_id=eid, request_id="q", tokens=PROMPT))) for eid in (eid_b, ghost)]
         tried += 1
         leaked += got[0][0] != C.NOT_FOUND.value[0] or got[0][1].replace(eid_b.encode(), b"ID") != got[1][1].replace(ghost.encode(), b"ID")
+
+    # a lane connection nobody lets in does not stay: closed 5 s after it opened without a hello
+    with socket.create_connection((host, port), timeout=10) as s:
+        t0 = time.monotonic()
+        tried += 1
+        leaked += s.recv(1) != b"" or not 4 < time.monotonic() - t0 < 8
 
     # /metrics names tenants: not to A, nor to anyone without a metrics or admin token
     url = "http://" + daemon.args[daemon.args.index("--metrics-listen") + 1] + "/metrics"
