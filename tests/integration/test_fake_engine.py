@@ -116,3 +116,18 @@ def test_daemon_killed_mid_run_every_request_completes() -> None:
     assert e.stats.loaded_tokens == 96
     c.close()
     assert d2.stop() == 0
+
+
+def test_a_long_lived_engine_counts_each_call_s_steps() -> None:
+    """run_until_done(max_steps) bounds the steps of that call: an engine past 10,000 steps in its
+    life still runs requests."""
+    from kvdepot.testing import free_port
+
+    c = DepotClient(f"127.0.0.1:{free_port()}", deadline_s=0.05)
+    e = FakeEngine(c, use_depot=False)
+    e.steps = 50_000
+    assert len(e.generate(list(range(40)), max_new_tokens=3).output) == 3
+    e.add_request(list(range(40)), max_new_tokens=100)
+    with pytest.raises(RuntimeError, match="still pending after 5 steps"):
+        e.run_until_done(max_steps=5)
+    c.close()
