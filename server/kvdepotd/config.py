@@ -46,6 +46,7 @@ class DaemonConfig:
     shm_paths: bool = True
     eviction_policy: str = "leaf-lru"
     namespace_host_share: float = 1.0
+    namespace_disk_share: float = 1.0
     max_slots_per_engine: int = 8192
     max_slots_per_namespace: int = 32768
     max_pins_per_engine: int = 8192
@@ -123,6 +124,9 @@ HELP: dict[str, str] = {
     "namespace_host_share": "most of the host tier one namespace (tenant) may hold, as a fraction: a namespace at its "
     "share evicts its own least recently used blocks to store more, so one tenant cannot flush the others' blocks "
     "out. 1 (the default): no limit",
+    "namespace_disk_share": "the same for the disk tier: a namespace at its share of a layout class's disk pool "
+    "evicts its own blocks there to write more, and blocks it cannot place stay in host memory only. 1 (the default): "
+    "no limit",
     "max_slots_per_engine": "most requests one engine may have in flight at the daemon (new ones past it make the "
     "Step RESOURCE_EXHAUSTED, naming the cap). Default 8192",
     "max_slots_per_namespace": "most requests all engines of one namespace (tenant) may have in flight. Default 32768",
@@ -257,6 +261,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "host_prealloc": _bool,
     "eviction_policy": _choice("leaf-lru"),
     "namespace_host_share": _fraction,
+    "namespace_disk_share": _fraction,
     "max_slots_per_engine": _positive("max_slots_per_engine", int),
     "max_slots_per_namespace": _positive("max_slots_per_namespace", int),
     "max_pins_per_engine": _positive("max_pins_per_engine", int),

@@ -99,6 +99,7 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         max_tokens=cfg.max_tokens,
         eviction_policy=cfg.eviction_policy,
         namespace_host_share=cfg.namespace_host_share,
+        namespace_disk_share=cfg.namespace_disk_share,
         caps=Caps(
             cfg.max_slots_per_engine, cfg.max_slots_per_namespace, cfg.max_pins_per_engine, cfg.max_pins_per_namespace, cfg.max_pin_tokens_per_namespace
         ),

@@ -228,3 +228,43 @@ def test_metrics_and_inspection_cover_the_disk_tier(tmp_path: str) -> None:
 def tmp_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:  # type: ignore[override]
     yield str(tmp_path_factory.mktemp("disk"))
 
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_a_namespace_at_its_disk_share_evicts_its_own_disk_blocks(tmp_path: str, share: float) -> None:
+    """Team A floods a 256-block disk tier (write-through). With namespace_disk_share 0.5 it evicts
+    its own disk blocks past 128, so team B's 6 blocks stay on disk; without a share (the control)
+    A's flood pushes them out."""
+    from kvdepot.v1 import kvdepot_pb2 as pb
+
+    from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
+
+    args = ["--disk-policy", "write-through", "--disk-admit-after", "1", "--namespace-disk-share", str(share)]
+    d = DaemonProcess(args=["--disk-dir", str(tmp_path), "--disk-gib", str(2 / 1024), "--disk-slab-mib", "1", *args]).start()
+    try:
+        engines = []
+        for ns in ("team-a", "team-b"):
+            c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
+            c.register_engine("disk-model", ALIGNED, namespace=ns)
+            engines.append(FakeEngine(c, layout=ALIGNED))
+            assert engines[-1].workers[0].attached.wait(5)
+        a, b = engines
+        p = list(range(50, 150))
+        b.generate(p, max_new_tokens=1)  # B's 6 full blocks go to disk
+        wait_counter(b.client, "disk_written_blocks", 6)
+        for i in range(26):  # A: 416 blocks of its own through a 256-block disk
+            a.generate(list(range(i * 1000 + 5000, i * 1000 + 5000 + 16 * 16 + 1)), max_new_tokens=1)
+        wait_counter(a.client, "disk_evictions", 1)
+        time.sleep(0.5)  # the last writes land
+        hs = block_hashes(tokens_to_bytes(p), 16, scope_seed(salt_hash(), "team-b", "disk-model"))[:6]
+        on_disk = sum(pb.TIER_DISK in b.client.block(h).tiers for h in hs)
+        used, capacity = disk_pool(a.client)
+        if share < 1:
+            assert on_disk == 6, "B's disk blocks were evicted by A's flood"
+            assert used <= capacity // 2 + 6
+        else:
+            assert on_disk < 6  # the control: without a share, A's flood took B's disk blocks
+        for e in engines:
+            close(e)
+    finally:
+        stop_clean(d)

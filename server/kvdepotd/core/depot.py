@@ -527,7 +527,7 @@ class Depot:
             d = Domain(layout_class, block_bytes, world_size, registry)
             if self.config.disk_bytes and world_size <= DISK_MAX_RANKS:
                 dpool = BlockPool(layout_class, disk_record_bytes(block_bytes), self.disk_budget)
-                d.disk = BlockRegistry(dpool, make_eviction_policy(policy), track_drops=True)
+                d.disk = BlockRegistry(dpool, make_eviction_policy(policy), track_drops=True, owner_share=self.config.namespace_disk_share)
             self.domains[layout_class] = d
         elif d.block_bytes != block_bytes:
             raise FailedPrecondition(f"layout class {layout_class} has {d.block_bytes}-byte blocks, not {block_bytes}")

@@ -263,6 +263,9 @@ class DiskPlanner:
                 if disk.state_of(h) is not None:
                     continue
                 dcell = disk.prepare_store(h, e.parent, e.owner)
+                if dcell is None and disk.at_share(e.owner):  # its namespace holds its disk share, none of it evictable now
+                    self.counters["disk_blocks_over_share"] += 1
+                    continue  # this block stays in host memory only; the others' writes go on
                 if dcell is None:  # the disk is full of pinned or in-flight blocks: try again later
                     self.counters["disk_full"] += 1
                     dom.demote[h] = None

@@ -25,7 +25,7 @@ COUNTERS = (
     "ops_expired", "cleared_blocks", "evictions",
     "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
     "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
-    "disk_full", "disk_evictions", "disk_write_missed_blocks",
+    "disk_full", "disk_evictions", "disk_write_missed_blocks", "disk_blocks_over_share",
 )
 
 
@@ -61,6 +61,7 @@ class DepotConfig:
     free_reserve_fraction: float = 1 / 64
     free_reserve_max: int = 256
     namespace_host_share: float = 1.0  # < 1: most of a host pool one namespace may hold (BlockRegistry owner_share)
+    namespace_disk_share: float = 1.0  # the same for each disk pool
     caps: Caps = field(default_factory=lambda: Caps())  # what one engine and one namespace may hold
     # Op ids must not repeat across daemon restarts: a worker that kept a completion of the old
     # daemon's op 7 would take the new daemon's op 7 as done. The daemon (server.py) starts them from the clock.
