@@ -160,3 +160,23 @@ def test_a_damaged_meta_json_is_rebuilt_from_the_headers_and_a_cut_slab_keeps_wh
     assert any("meta.json is missing; rebuilt from the block headers" in p for p in report["problems"])
     assert os.path.getsize(s.slab_path(0)) == 5 * s.record_bytes + 100  # check-disk changed nothing
     assert not os.path.exists(os.path.join(s.dir, "meta.json"))
+
+
+def test_with_a_journal_record_lost_an_intact_header_wins_over_a_stale_listing(tmp_path: str) -> None:
+    """A damaged journal may have lost the REMOVE of a cell's old block and the ADD of the block
+    written there after it: the cell's intact header is the truth, and its block is kept."""
+    s = store(tmp_path, 4096)
+    _, base = blocks(4, 4096)
+    write(s, base, [0, 1, 2, 3])
+    s.forget(2, 102)
+    s.flush_removes()
+    write(s, base, [2], first_hash=900)  # cell 2 now holds block 900
+    s.close()
+    with open(os.path.join(s.dir, JOURNAL), "r+b") as f:  # damage the REMOVE and the new ADD
+        f.seek(4 * REC_BYTES + 3)
+        f.write(b"\xff\xff")
+        f.seek(5 * REC_BYTES + 3)
+        f.write(b"\xff\xff")
+    got = store(tmp_path, 4096).recover(max_slabs=10)
+    assert got.bad_records == 2 and not got.dropped
+    assert sorted(h for h, _, _, _ in got.blocks) == [100, 101, 103, 900]

@@ -338,9 +338,13 @@ class ClassStore:
                     unlisted.update(c for c in range(first, first + min(self.blocks_per_slab, size // R)) if c not in entries)
         heads = self._headers(sorted([*entries, *unlisted]))
         for cell in list(entries):
-            if not self._says(heads.get(cell), entries[cell], entries[cell].hash):
+            head = heads.get(cell)
+            if not self._says(head, entries[cell], entries[cell].hash):
                 del entries[cell]
-                drop("header does not match the journal")
+                if bad_records and head is not None:  # an intact newer block whose ADD (or the old one's REMOVE) was lost
+                    unlisted.add(cell)
+                else:
+                    drop("header does not match the journal")
         relisted = 0
         for cell in sorted(unlisted):
             if (head := heads.get(cell)) is not None:
