@@ -115,7 +115,7 @@ class ClientCore:
 
     def _quiet(self) -> bool:
         """The daemon did not answer an engine-path call in time a moment ago: answer a miss at once."""
-        return self._quiet_until > 0 and time.monotonic() < self._quiet_until
+        return time.monotonic() < self._quiet_until
 
     @property
     def engine_id(self) -> str:

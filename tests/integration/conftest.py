@@ -13,12 +13,12 @@ LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", bl
 
 
 def attached_engine(
-    d: DaemonProcess, lay: KvLayout, model: str, strict: bool = True, deadline_s: float = 5.0, address: str = "", **kw: object
+    d: DaemonProcess, lay: KvLayout, model: str, strict: bool = True, deadline_s: float = 5.0, address: str = "", namespace: str = "", **kw: object
 ) -> FakeEngine:
-    """A FakeEngine registered with the daemon as `model` (at `address`, else its TCP one), its
-    workers' streams attached."""
+    """A FakeEngine registered with the daemon as `model` in `namespace` (at `address`, else its TCP
+    one), its workers' streams attached."""
     c = DepotClient(address or d.tcp, strict=strict, deadline_s=deadline_s)
-    c.register_engine(model, lay)
+    c.register_engine(model, lay, namespace=namespace)
     e = FakeEngine(c, layout=lay, **kw)  # type: ignore[arg-type]
     for w in e.workers:
         assert w.attached.wait(5)

@@ -242,12 +242,7 @@ def test_a_namespace_at_its_disk_share_evicts_its_own_disk_blocks(tmp_path: str,
     args = ["--disk-policy", "write-through", "--disk-admit-after", "1", "--namespace-disk-share", str(share)]
     d = DaemonProcess(args=["--disk-dir", str(tmp_path), "--disk-gib", str(2 / 1024), "--disk-slab-mib", "1", *args]).start()
     try:
-        engines = []
-        for ns in ("team-a", "team-b"):
-            c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
-            c.register_engine("disk-model", ALIGNED, namespace=ns)
-            engines.append(FakeEngine(c, layout=ALIGNED))
-            assert engines[-1].workers[0].attached.wait(5)
+        engines = [engine(d, ALIGNED, namespace=ns) for ns in ("team-a", "team-b")]
         a, b = engines
         p = list(range(50, 150))
         b.generate(p, max_new_tokens=1)  # B's 6 full blocks go to disk

@@ -93,12 +93,7 @@ def test_a_namespace_at_its_share_evicts_its_own_blocks(share: float) -> None:
     port = free_port()
     args = ["--host-gib", str(96 / 2**20), "--slab-mib", "1", "--namespace-host-share", str(share), "--metrics-listen", f"127.0.0.1:{port}"]
     with DaemonProcess(args=args) as d:
-        engines = []
-        for ns in ("team-a", "team-b"):
-            c = DepotClient(d.tcp, strict=True, deadline_s=5.0)
-            c.register_engine("shared-model", lay, namespace=ns)
-            engines.append(FakeEngine(c, layout=lay))
-            assert engines[-1].workers[0].attached.wait(5)
+        engines = [attached_engine(d, lay, "shared-model", namespace=ns) for ns in ("team-a", "team-b")]
         a, b = engines
         p = list(range(50, 150))
         b.generate(p, max_new_tokens=1)  # B's 6 full blocks are stored

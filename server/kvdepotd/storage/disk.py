@@ -116,7 +116,7 @@ class Survey:
     """A class directory read without changing it (ClassStore.survey): what recovery keeps."""
 
     live: dict[int, Live]  # cell -> block, each with an intact header that says so
-    owners: dict[int, str]  # cell -> the namespace that stored it
+    heads: dict[int, Header]  # cell -> that header (the namespace that stored it, its data's checksums)
     dropped: dict[str, int]  # reason -> blocks given up
     bad_records: int  # journal records that failed their checksum (skipped)
     relisted: int  # unlisted cells whose intact header listed them again
@@ -305,7 +305,7 @@ class ClassStore:
         self.gen = max((e.gen for e in got.live.values()), default=0) + 1
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self._rewrite_journal()
-        blocks = [(e.hash, e.parent, cell, got.owners.get(cell, "")) for cell, e in got.live.items()]
+        blocks = [(e.hash, e.parent, cell, got.heads[cell].owner) for cell, e in got.live.items()]
         return Recovered(self.layout_class, self.block_bytes, blocks, got.dropped, got.relisted, got.bad_records)
 
     def survey(self, max_slabs: int) -> Survey:
@@ -357,8 +357,8 @@ class ClassStore:
                 drop("listed twice")
                 relisted -= old in unlisted
             by_hash[e.hash] = cell
-        owners = {cell: h.owner for cell in entries if (h := heads.get(cell)) is not None}
-        return Survey(entries, owners, dropped, bad_records, relisted)
+        kept = {cell: h for cell in entries if (h := heads.get(cell)) is not None}  # every kept cell has one
+        return Survey(entries, kept, dropped, bad_records, relisted)
 
     def _headers(self, cells: list[int]) -> dict[int, Header | None]:
         """The parsed header of each cell (sorted), None where unreadable or not intact. Small records

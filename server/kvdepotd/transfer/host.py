@@ -317,45 +317,40 @@ class HostCopyEngine(CopyEngine):
             _warn_shrunk(m)
             return [w[0] for w in work], [], SHRUNK
         deadline, clock = plan.deadline_ms or float("inf"), self.clock_ms
-        for k, (i, bid, cell, offset) in enumerate(work):
-            if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
-                failed += [w[0] for w in work[k:]]
-                break
-            if clock() >= deadline:  # the same, seen from here: the loop may not have run since (a frozen daemon resumed)
-                failed += [w[0] for w in work[k:]]
-                message = message or PAST_DEADLINE
-                break
-            if bid >= m.num_blocks:
-                failed.append(i)
-                message = message or f"engine block {bid} is outside the {m.num_blocks} registered blocks"
-                continue
-            hoff = offset + rank_off
-            key = (cls, cell, rank)
-            if store:
-                try:
+        k = 0
+        try:
+            for k, (i, bid, cell, offset) in enumerate(work):
+                if part.cancelled:  # the op ended (its deadline passed, its engine went): touch no more engine blocks
+                    failed += [w[0] for w in work[k:]]
+                    break
+                if clock() >= deadline:  # the same, seen from here: the loop may not have run since (a frozen daemon resumed)
+                    failed += [w[0] for w in work[k:]]
+                    message = message or PAST_DEADLINE
+                    break
+                if bid >= m.num_blocks:
+                    failed.append(i)
+                    message = message or f"engine block {bid} is outside the {m.num_blocks} registered blocks"
+                    continue
+                hoff = offset + rank_off
+                key = (cls, cell, rank)
+                if store:
                     got = self._move(m, bid, hoff, rank_bytes, to_host=True, want_hash=True)
-                except OSError:  # the engine shrank its file under the copy (the native copy's SIGBUS guard)
-                    failed += [w[0] for w in work[k:]]
-                    message = _warn_shrunk(m)
-                    break
-                assert got is not None
-                arena.checksums[key] = got
-                continue
-            if copy and faults.corrupt_loads and faults.take_corruption():
-                ctypes.memset(arena.base + hoff, 0x5A, 64)
-            want = arena.checksums.get(key, -1) if check else None  # -1, which no xxh3 is: a block without one fails
-            if copy:
-                try:
+                    assert got is not None
+                    arena.checksums[key] = got
+                    continue
+                if copy and faults.corrupt_loads and faults.take_corruption():
+                    ctypes.memset(arena.base + hoff, 0x5A, 64)
+                want = arena.checksums.get(key, -1) if check else None  # -1, which no xxh3 is: a block without one fails
+                if copy:
                     got = self._move(m, bid, hoff, rank_bytes, to_host=False, want_hash=want is not None)
-                except OSError:
-                    failed += [w[0] for w in work[k:]]
-                    message = _warn_shrunk(m)
-                    break
-            else:
-                got = _xxh3_at(arena.base + hoff, rank_bytes) if want is not None else None
-            if got != want:
-                corrupt.append(i)
-                message = message or "checksum mismatch in the host tier"
+                else:
+                    got = _xxh3_at(arena.base + hoff, rank_bytes) if want is not None else None
+                if got != want:
+                    corrupt.append(i)
+                    message = message or "checksum mismatch in the host tier"
+        except OSError:  # only a copy raises it: the engine shrank its file under it (the native copy's SIGBUS guard)
+            failed += [w[0] for w in work[k:]]
+            message = _warn_shrunk(m)
         return failed, corrupt, message
 
     def _move(self, m: RankMapping, bid: int, hoff: int, nbytes: int, to_host: bool, want_hash: bool) -> int | None:
