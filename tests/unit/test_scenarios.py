@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kvdepotd.core.depot import LoadCopied, OpCompleted
-from kvdepotd.core.errors import FailedPrecondition, NotFound
+from kvdepotd.core.errors import FailedPrecondition, InvalidRequest, NotFound
 from kvdepotd.core.ops import OpKind
 from kvdepotd.core.slots import BlockState, UpdateStyle
 from tests.unit.sim import BS, Sim, blocks_of, engine_blocks_of, prompt
@@ -132,7 +132,7 @@ def test_e_preemption_then_resume_fresh_lookup_no_restore(style: UpdateStyle) ->
     assert sim.depot.slot(sim.engine, "r").block_table == []
     # Resume: a fresh lookup sees what the tiers hold (Dynamo never re-matched; we do).
     assert sim.lookup("r", toks, L=0) == 96
-    plan = sim.step(sim.new("r", [], E=96, S=4, table=[30, 31, 32, 33, 34, 35, 36]))
+    plan = sim.step(sim.new("r", toks, E=96, S=4, table=[30, 31, 32, 33, 34, 35, 36]))
     assert blocks_of(plan, LOAD) == [0, 1, 2, 3, 4, 5]
     assert engine_blocks_of(plan, LOAD) == [30, 31, 32, 33, 34, 35]
     assert blocks_of(plan, STORE) == []
@@ -162,7 +162,7 @@ def test_e_resume_with_device_hit_and_partly_stored(style: UpdateStyle) -> None:
     sim.forward_done()
     sim.step(preempted=["r"])
     assert sim.lookup("r", toks, L=32) == 32  # blocks 2-3 from the host tier
-    plan = sim.step(sim.new("r", [], L=32, E=32, S=36, table=[40, 41, 42, 43, 44, 45, 46]))
+    plan = sim.step(sim.new("r", toks, L=32, E=32, S=36, table=[40, 41, 42, 43, 44, 45, 46]))
     assert blocks_of(plan, LOAD) == [2, 3] and engine_blocks_of(plan, LOAD) == [42, 43]
     assert blocks_of(plan, STORE) == [4, 5]
 
@@ -367,6 +367,40 @@ def test_trtllm_async_load_reports_l_plus_e() -> None:
     assert sim.lookup("r", toks, L=32) == 64
     plan = sim.step(sim.new("r", toks, L=32, E=64, S=4, C=96, table=D[:7]))
     assert blocks_of(plan, LOAD) == [2, 3, 4, 5] and blocks_of(plan, STORE) == []
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_new_row_after_async_load_continues_without_appending_the_prompt_again(style: UpdateStyle) -> None:
+    """An async load is announced when it starts (L+E computed, nothing scheduled); the engine then
+    emits the request as new with its whole prompt and a fuller table. The slot continues: 100
+    tokens, not 200, and the blocks after the load are stored under the prompt's own hashes."""
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks[:64] + prompt(36, start=500))
+    assert sim.lookup("r", toks, L=0) == 64
+    sim.step(sim.new("r", toks, E=64, S=0, C=64, table=D[:4]))
+    sim.run_copies()
+    plan = sim.step(sim.new("r", toks, E=64, S=36, C=64, table=D[:7]))
+    slot = sim.depot.slot(sim.engine, "r")
+    assert slot.num_tokens == 100
+    assert blocks_of(plan, STORE) == [4, 5]
+    sim.forward_done()
+    assert sim.resident(toks) == 6
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_new_row_whose_tokens_differ_from_the_slots_is_refused(style: UpdateStyle) -> None:
+    sim = Sim(style)
+    toks = prompt(100)
+    sim.step(sim.new("r", toks, S=64, table=D[:4]))
+    sim.step(preempted=["r"])
+    with pytest.raises(InvalidRequest, match="token 40 differs"):
+        sim.step(sim.new("r", toks[:40] + [9999] + toks[41:], S=100, table=D[:7]))
+    with pytest.raises(InvalidRequest, match="60 tokens is fewer than the 100"):
+        sim.step(sim.new("r", toks[:60], S=60, table=D[:4]))
+    assert sim.depot.slot(sim.engine, "r").num_tokens == 100  # refused whole: nothing changed
+    sim.step(sim.new("r", toks + [7, 8], S=102, table=D[:7]))  # the whole sequence, grown: fine
+    assert sim.depot.slot(sim.engine, "r").num_tokens == 102
 
 
 def test_rejected_step_is_undone_entirely() -> None:

@@ -146,10 +146,9 @@ class DepotMachine(RuleBasedStateMachine):
         C = L + E
         S = len(toks) - C
         table = self._blocks((len(toks) + BS - 1) // BS)
-        sent = r["sent"] if r is not None else 0
         slot = self.sim.depot.engines[self.sim.engine].slots.get(rid)
         try:
-            self.sim.step(self.sim.new(rid, toks[sent:], L=L, E=E, S=S, table=table))
+            self.sim.step(self.sim.new(rid, toks, L=L, E=E, S=S, table=table))
         except FailedPrecondition:
             assert slot is not None and slot.phase.value == "FINISHING"  # ids are not reused while finishing
             self.sim.step_no -= 1

@@ -53,18 +53,16 @@ def test_transition(row: Row) -> None:
         sim.prefill_and_store("seed", P + [7])
     if row.lookup_L is not None:
         sim.lookup("r", P + [7], L=row.lookup_L)
-    sent = False
     for b in row.before:
-        if b[0] == "new":
-            sim.step(sim.new("r", [] if sent else P, L=b[1], E=b[2], S=b[3], table=T[:4]))
-            sent = True
+        if b[0] == "new":  # a new update carries the whole sequence, the first time or not
+            sim.step(sim.new("r", P, L=b[1], E=b[2], S=b[3], table=T[:4]))
         elif b[0] == "cached":
             sim.step(sim.cached("r", C=b[1], S=b[2]))
         else:
             sim.step(preempted=["r"])
     u = row.update
     if u[0] == "new":
-        plan = sim.step(sim.new("r", [] if sent else P, L=u[1], E=u[2], S=u[3], table=T[:4]))
+        plan = sim.step(sim.new("r", P, L=u[1], E=u[2], S=u[3], table=T[:4]))
     else:
         plan = sim.step(sim.cached("r", C=u[1], S=u[2]))
     assert sim.states("r") == row.states

@@ -255,7 +255,7 @@ class FakeEngine:
         if r.is_new:
             if r.epoch != self.client.epoch:  # first contact, or the daemon restarted: send everything
                 r.epoch, r.sent_tokens, r.lost = self.client.epoch, 0, False
-            toks = r.tokens[r.sent_tokens :]
+            toks = r.tokens  # a new update carries the whole sequence, resumed or not
             batch.new(r.rid, toks, r.table, computed=r.computed, scheduled=S, device_matched=r.L, loaded=r.E, cache_salt=r.cache_salt)
         elif r.epoch != self.client.epoch:
             return  # the daemon forgot it (restart): it simply gets no more stores

@@ -171,7 +171,7 @@ class SchedulerSide:
         L = min(st.L, C)
         E = st.E if L + st.E <= C else 0
         batch.new(
-            req.request_id, req.all_token_ids[st.sent_tokens : upto], st.table, computed=C, scheduled=S, device_matched=L,
+            req.request_id, req.all_token_ids[:upto], st.table, computed=C, scheduled=S, device_matched=L,
             loaded=E, cache_salt=req.cache_salt or "", lora_name=req.lora_request.lora_name if req.lora_request else "",
         )
         st.sent_tokens, st.sent_blocks, st.sent_end, st.announced = upto, len(st.table), C + S, True

@@ -264,15 +264,16 @@ class Depot:
             slot = Slot(u.request_id, eng.seed(u.cache_salt, u.lora_name), eng.layout.block_size)
             eng.slots[u.request_id] = slot
             self.counters["slots_created"] += 1
+        fresh = u.new_tokens[len(slot.tokens) :] if u.is_new else u.new_tokens  # a new row carries the whole sequence
         if u.is_new and not self._continues(slot, u):
             if slot.last_step >= 0:
                 self._cancel_waiting_stores(eng, slot, "request restarted")
                 self._bump_epoch(eng, slot)
             pin = eng.pins.get(slot.request_id)
             if pin is not None and pin.seed == slot.seed:
-                slot.append_tokens(u.new_tokens, known=pin.chain, known_over=pin.tokens)
+                slot.append_tokens(fresh, known=pin.chain, known_over=pin.tokens)
             else:
-                slot.append_tokens(u.new_tokens)
+                slot.append_tokens(fresh)
             loads = slot.start_device_state(u.device_matched_tokens, u.loaded_tokens, list(u.new_block_ids))
             if loads:
                 for op in self.planner.load(eng, slot, loads, step, now_ms):
@@ -280,7 +281,7 @@ class Depot:
             else:
                 eng.release_pin(slot.request_id)
         else:
-            slot.append_tokens(u.new_tokens)
+            slot.append_tokens(fresh)
             if u.is_new:  # the same request again, e.g. scheduled after its async load: a fuller table
                 slot.block_table = list(u.new_block_ids)
             else:

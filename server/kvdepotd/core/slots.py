@@ -266,6 +266,24 @@ def repeated_block(table: Sequence[int], new: Sequence[int]) -> int | None:
     return None
 
 
+def _check_whole_sequence(u: SlotUpdate, slot: Slot) -> None:
+    """A new update of a request the daemon already holds tokens for (resumed after preemption,
+    scheduled again after its async load) carries its whole token sequence, which must start with
+    the tokens held: a request that changed its tokens is another request and needs its own id."""
+    held, sent = slot.tokens, u.new_tokens
+    if len(sent) < len(held):
+        raise InvalidRequest(
+            f"request {u.request_id}: a new update carries the request's whole token sequence; {len(sent) // 4} tokens "
+            f"is fewer than the {len(held) // 4} already sent for it"
+        )
+    if sent[: len(held)] != held:
+        at = next(i for i in range(0, len(held), 4) if sent[i : i + 4] != held[i : i + 4]) // 4
+        raise InvalidRequest(
+            f"request {u.request_id}: a new update carries the request's whole token sequence, and token {at} differs "
+            f"from the one already sent for it (a request with other tokens needs an id of its own)"
+        )
+
+
 def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: int) -> None:
     """Raises a DepotError naming what is wrong; never changes anything."""
     rid = u.request_id
@@ -284,6 +302,9 @@ def check_update(u: SlotUpdate, slot: Slot | None, block_size: int, max_tokens: 
             raise InvalidRequest(f"request {rid}: device_matched_tokens and loaded_tokens are only for new updates")
     known = slot.num_tokens if slot is not None else 0
     total = known + u.num_new_tokens
+    if u.is_new and known:
+        _check_whole_sequence(u, slot)  # type: ignore[arg-type]
+        total = u.num_new_tokens
     if total > max_tokens:
         raise InvalidRequest(f"request {rid}: {total} tokens is over the limit of {max_tokens}")
     if u.is_new and total == 0:
