@@ -10,9 +10,15 @@ Primitives:
 
 Kinds (how the engine lays out KV): "none" (no tensors: the daemon keeps the books only),
 "vllm_cpu" (per layer [num_blocks, kv_heads, block_size, 2*head_size]), "vllm_flash" (per layer
-[2, num_blocks, block_size, kv_heads, head_size]) and "contiguous" (one tensor
-[num_blocks, layers, 2, block_size, kv_heads, head_size], TensorRT-LLM's pool). A host-tier block
-keeps the engine's own per-block byte order, so each region is one memcpy each way.
+[2, num_blocks, block_size, kv_heads, head_size]), "contiguous" (one tensor
+[num_blocks, layers, kv_factor, block_size, kv_heads, head_size]) and "trtllm" (TensorRT-LLM's
+primary pool as its connector receives it: one tensor [num_blocks, layers, kv_factor,
+kv_heads * block_size * head_size]). A host-tier block keeps the engine's own per-block byte
+order, so each region is one memcpy each way.
+
+kv_factor is 2 (K and V) or 1 (K only, as MLA models keep their compressed latent); only the
+one-tensor kinds may have 1, and it is part of the layout class, so K-only blocks are never
+shared with K-and-V blocks.
 """
 
 from __future__ import annotations
@@ -32,11 +38,11 @@ DTYPE_BYTES: dict[str, int] = {
 
 MAX_LAYERS = 1024
 MAX_HEADS = 1024
-MAX_HEAD_SIZE = 4096
+MAX_HEAD_SIZE = 65536  # TensorRT-LLM's pool folds the heads: a layout from it has 1 head of heads x head_dim
 MAX_BLOCK_SIZE = 4096
 MAX_WORLD_SIZE = 1024
 MAX_BLOCK_BYTES = 1 << 31
-KINDS = ("none", "vllm_cpu", "vllm_flash", "contiguous")
+KINDS = ("none", "vllm_cpu", "vllm_flash", "contiguous", "trtllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,10 +54,15 @@ class KvLayout:
     block_size: int
     world_size: int = 1
     kind: str = "none"
+    kv_factor: int = 2  # 2: K and V; 1: K only (MLA)
 
     def validate(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"layout.kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.kv_factor not in (1, 2):
+            raise ValueError(f"layout.kv_factor must be 1 (K only) or 2 (K and V), got {self.kv_factor}")
+        if self.kv_factor == 1 and self.kind.startswith("vllm"):
+            raise ValueError(f"a {self.kind} layout holds K and V (kv_factor 2)")
         limits = (
             ("num_layers", self.num_layers, MAX_LAYERS),
             ("num_kv_heads", self.num_kv_heads, MAX_HEADS),
@@ -69,8 +80,8 @@ class KvLayout:
 
     @property
     def rank_block_bytes(self) -> int:
-        """Bytes of one block on one rank: layers x (K, V) x block_size x heads x head_size x dtype."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
+        """Bytes of one block on one rank: layers x kv_factor x block_size x heads x head_size x dtype."""
+        return self.num_layers * self.kv_factor * self.block_size * self.num_kv_heads * self.head_size * DTYPE_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
@@ -81,7 +92,7 @@ class KvLayout:
     def layout_class(self) -> str:
         return (
             f"L{self.num_layers}xH{self.num_kv_heads}xD{self.head_size}x{self.dtype}"
-            f"xB{self.block_size}xW{self.world_size}" + ("" if self.kind == "none" else f"-{self.kind}")
+            f"xB{self.block_size}xW{self.world_size}" + ("xK1" if self.kv_factor == 1 else "") + ("" if self.kind == "none" else f"-{self.kind}")
         )
 
     @property
@@ -116,7 +127,9 @@ def tensor_shapes(layout: KvLayout, num_blocks: int) -> list[tuple[int, ...]]:
     if layout.kind == "vllm_flash":
         return [(2, num_blocks, bs, H, D)] * L
     if layout.kind == "contiguous":
-        return [(num_blocks, L, 2, bs, H, D)]
+        return [(num_blocks, L, layout.kv_factor, bs, H, D)]
+    if layout.kind == "trtllm":
+        return [(num_blocks, L, layout.kv_factor, H * bs * D)]
     raise ValueError(f"a {layout.kind!r} layout registers no tensors")
 
 

@@ -20,6 +20,7 @@ KINDS_PB = {
     "vllm_cpu": pb.KV_LAYOUT_KIND_VLLM_CPU,
     "vllm_flash": pb.KV_LAYOUT_KIND_VLLM_FLASH,
     "contiguous": pb.KV_LAYOUT_KIND_CONTIGUOUS,
+    "trtllm": pb.KV_LAYOUT_KIND_TRTLLM,
 }
 
 
@@ -217,6 +218,7 @@ def layout_pb(layout: KvLayout) -> pb.KvLayout:
         block_size=layout.block_size,
         world_size=layout.world_size,
         kind=KINDS_PB[layout.kind],
+        kv_factor=layout.kv_factor if layout.kv_factor != 2 else 0,
     )
 
 

@@ -30,7 +30,7 @@ def layout_from_pb(m: pb.KvLayout) -> KvLayout:
     kind = LAYOUT_KIND.get(m.kind)
     if kind is None:
         raise InvalidRequest(f"unknown layout kind {m.kind}")
-    return KvLayout(m.num_layers, m.num_kv_heads, m.head_size, m.dtype, m.block_size, m.world_size, kind)
+    return KvLayout(m.num_layers, m.num_kv_heads, m.head_size, m.dtype, m.block_size, m.world_size, kind, m.kv_factor or 2)
 
 
 def style_from_pb(value: int) -> UpdateStyle:

@@ -3,7 +3,10 @@ function of (token, position, layer, K/V, head, dim, rank), so any block that co
 daemon can be checked byte for byte.
 
 Layouts (kvdepot.layout): vllm_cpu keeps every layer as a view into one shared storage, as vLLM's
-CPU backend does; vllm_flash has one tensor per layer; contiguous one tensor for all layers.
+CPU backend does; vllm_flash has one tensor per layer; contiguous one tensor for all layers;
+trtllm TensorRT-LLM's pool [blocks, layers, kv_factor, heads * block_size * head_size] (each
+layer's K or V heads-major, [heads, block_size, head_size], as TensorRT-LLM keeps a block).
+kv_factor 1 (K only) writes and checks K alone.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ class FakeKv:
         if self.layout.kind == "vllm_flash":
             return [torch.full((2, nb, bs, H, D), POISON, dtype=dt) for _ in range(L)]
         if self.layout.kind == "contiguous":
-            return [torch.full((nb, L, 2, bs, H, D), POISON, dtype=dt)]
+            return [torch.full((nb, L, self.layout.kv_factor, bs, H, D), POISON, dtype=dt)]
+        if self.layout.kind == "trtllm":
+            return [torch.full((nb, L, self.layout.kv_factor, H * bs * D), POISON, dtype=dt)]
         raise ValueError(f"FakeKv needs a layout with tensors, not {self.layout.kind!r}")
 
     def share(self, memfd: bool = False) -> list[pb.RegisterKvCachesRequest]:
@@ -61,12 +66,13 @@ class FakeKv:
 
     # -- values ---------------------------------------------------------------------------------
     def expected(self, tokens: list[int], positions: range, rank: int) -> torch.Tensor:
-        """[n, layers, 2, heads, head_size] values the forward writes for these positions."""
+        """[n, layers, kv_factor, heads, head_size] values the forward writes for these positions."""
         L, H, D = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_size
         tok = torch.tensor([tokens[p] for p in positions], dtype=torch.int64).view(-1, 1, 1, 1, 1)
         pos = torch.tensor(list(positions), dtype=torch.int64).view(-1, 1, 1, 1, 1)
         layer = torch.arange(L).view(1, L, 1, 1, 1)
-        kv = torch.arange(2).view(1, 1, 2, 1, 1)
+        kvf = self.layout.kv_factor
+        kv = torch.arange(kvf).view(1, 1, kvf, 1, 1)
         head = torch.arange(H).view(1, 1, 1, H, 1)
         dim = torch.arange(D).view(1, 1, 1, 1, D)
         v = (tok * 31 + pos * 7 + layer * 13 + kv * 5 + head * 3 + dim + rank * 11) % 251
@@ -93,8 +99,9 @@ class FakeKv:
                     tensors[l][0, blk, off] = val[:, l, 0]
                     tensors[l][1, blk, off] = val[:, l, 1]
                 else:
-                    tensors[0][blk, l, 0, off] = val[:, l, 0]
-                    tensors[0][blk, l, 1, off] = val[:, l, 1]
+                    pool = self._blocks_view(tensors[0])
+                    for kv in range(self.layout.kv_factor):
+                        pool[blk, l, kv, off] = val[:, l, kv]
 
     def read(self, table: list[int], positions: range, rank: int) -> torch.Tensor:
         blk, off = self._index(table, positions)
@@ -107,9 +114,19 @@ class FakeKv:
             elif self.layout.kind == "vllm_flash":
                 k, v = tensors[l][0, blk, off], tensors[l][1, blk, off]
             else:
-                k, v = tensors[0][blk, l, 0, off], tensors[0][blk, l, 1, off]
+                pool = self._blocks_view(tensors[0])
+                per_layer.append(torch.stack([pool[blk, l, kv, off] for kv in range(self.layout.kv_factor)], dim=1))
+                continue
             per_layer.append(torch.stack([k, v], dim=1))
         return torch.stack(per_layer, dim=1)
+
+    def _blocks_view(self, t: torch.Tensor) -> torch.Tensor:
+        """The one-tensor pool as [blocks, layers, kv, block_size, heads, head_size] (a view: the
+        trtllm kind's last dimension is heads-major, [heads, block_size, head_size])."""
+        if self.layout.kind == "contiguous":
+            return t
+        nb, L, kvf = t.shape[:3]
+        return t.view(nb, L, kvf, self.layout.num_kv_heads, self.layout.block_size, self.layout.head_size).transpose(3, 4)
 
     def mismatches(self, table: list[int], tokens: list[int], end: int) -> list[int]:
         """Positions in [0, end) whose KV differs from what the forward writes (any rank)."""

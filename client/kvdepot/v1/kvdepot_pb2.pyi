@@ -25,6 +25,7 @@ class KvLayoutKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_LAYOUT_KIND_VLLM_CPU: _ClassVar[KvLayoutKind]
     KV_LAYOUT_KIND_VLLM_FLASH: _ClassVar[KvLayoutKind]
     KV_LAYOUT_KIND_CONTIGUOUS: _ClassVar[KvLayoutKind]
+    KV_LAYOUT_KIND_TRTLLM: _ClassVar[KvLayoutKind]
 
 class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,12 +42,13 @@ KV_LAYOUT_KIND_UNSPECIFIED: KvLayoutKind
 KV_LAYOUT_KIND_VLLM_CPU: KvLayoutKind
 KV_LAYOUT_KIND_VLLM_FLASH: KvLayoutKind
 KV_LAYOUT_KIND_CONTIGUOUS: KvLayoutKind
+KV_LAYOUT_KIND_TRTLLM: KvLayoutKind
 OP_KIND_UNSPECIFIED: OpKind
 OP_KIND_LOAD: OpKind
 OP_KIND_STORE: OpKind
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "world_size", "kind")
+    __slots__ = ("num_layers", "num_kv_heads", "head_size", "dtype", "block_size", "world_size", "kind", "kv_factor")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class KvLayout(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    KV_FACTOR_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_size: int
@@ -61,7 +64,8 @@ class KvLayout(_message.Message):
     block_size: int
     world_size: int
     kind: KvLayoutKind
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ..., kind: _Optional[_Union[KvLayoutKind, str]] = ...) -> None: ...
+    kv_factor: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ..., kind: _Optional[_Union[KvLayoutKind, str]] = ..., kv_factor: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
     __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key", "late_load_checks")
