@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.vllm.config import KEYS
+from kvdepot.connector.config import KEYS
 from kvdepotd import config
 from kvdepotd.core.depot import Depot, DepotConfig
 from kvdepotd.core.records import COUNTERS

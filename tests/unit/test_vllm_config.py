@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.layout import KvLayout
-from kvdepot.vllm.config import ConnectorConfig
+from kvdepot.connector.config import ConnectorConfig
 
 
 def test_defaults_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,7 @@ from vllm.v1.request import RequestStatus
 
 from kvdepot import DepotClient
 from kvdepot.testing import DaemonProcess
-from kvdepot.vllm.config import ConnectorConfig
+from kvdepot.connector.config import ConnectorConfig
 from kvdepot.vllm.scheduler import ReqState, SchedulerSide
 from tests.vllm.engine import BATCH, BLOCK, P, Q, connector_of, engine_args, generate, kv_config, reset
 

@@ -1,4 +1,7 @@
-"""The connector's settings: `kv_connector_extra_config` keys, checked once at start-up.
+"""A connector's settings, checked once at start-up. vLLM takes them as `kv_connector_extra_config`
+keys; TensorRT-LLM's config refuses keys it does not know, so its connector reads the same keys
+from KVDEPOT_<KEY> environment variables and from a JSON or TOML file named by
+$KVDEPOT_CONNECTOR_CONFIG (from_env; the variables win).
 
     address             the daemon: HOST:PORT, unix:PATH or unix:///abs/path
                         (default: $KVDEPOT_ADDRESS, else 127.0.0.1:50061)
@@ -31,7 +34,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +101,29 @@ class ConnectorConfig:
         if bool(cfg.tls_cert) != bool(cfg.tls_key):
             raise ValueError("kvdepot: tls_cert and tls_key go together")
         return cfg
+
+
+def from_env(environ: Mapping[str, str], **defaults: Any) -> ConnectorConfig:
+    """The settings of a connector whose engine has no place for them (TensorRT-LLM): `defaults`,
+    then the file named by $KVDEPOT_CONNECTOR_CONFIG (JSON, or TOML by its .toml suffix), then
+    KVDEPOT_<KEY> variables ($KVDEPOT_ADDRESS, $KVDEPOT_NAMESPACE, $KVDEPOT_LOAD_ASYNC, ...).
+    Raises ValueError naming the file, variable or key that is wrong."""
+    extra: dict[str, Any] = dict(defaults)
+    path = environ.get("KVDEPOT_CONNECTOR_CONFIG", "")
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f) if path.endswith(".toml") else json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"kvdepot: KVDEPOT_CONNECTOR_CONFIG={path}: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"kvdepot: KVDEPOT_CONNECTOR_CONFIG={path} must hold a table of settings")
+        extra.update(data)
+    for key in KEYS:
+        value = environ.get(f"KVDEPOT_{key.upper()}")
+        if value is not None:
+            extra[key] = value
+    return ConnectorConfig.from_extra(extra)
 
 
 def _coerce(key: str, value: Any) -> Any:

@@ -1,34 +1,74 @@
-"""The connector's worker side (each worker process): shares the KV tensors with the daemon, waits
-for a step's loads, reports forward-done, and reads the completion stream (KvDepotConnector's
-docstring maps vLLM's hooks to the methods)."""
+"""A connector's worker side (each worker process of an engine): shares the KV tensors with the
+daemon, waits for a step's loads, reports forward-done, and reads the completion stream. Engine
+neutral: the engine's connector maps its hooks to these methods and hands over its per-step
+metadata, which carries `loads`, `finished` and `preempted_ops` (see LoadJob)."""
 
 from __future__ import annotations
 
 import collections
 import logging
 import time
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from kvdepot import handles
 from kvdepot.client import DepotClient, WorkerLink
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.errors import DepotError
 from kvdepot.handoff import handoff_path
 from kvdepot.layout import KvLayout
 from kvdepot.messages import LoadCopied, OpCompleted, RequestReleased
-from kvdepot.vllm.common import KvDepotMetadata, KvDepotWorkerMetadata, LoadJob, connect
-from kvdepot.vllm.config import ConnectorConfig
 
-log = logging.getLogger("kvdepot.vllm")
+log = logging.getLogger("kvdepot.connector")
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
 
 
+@dataclass
+class LoadJob:
+    """Loads into one request's blocks: the targets the engine counts on, and the daemon's ops for
+    them. A target no successful op covered is a failed block."""
+
+    request_id: str  # the daemon's request id (TensorRT-LLM's integer ids as decimal strings)
+    targets: list[int]
+    ops: dict[int, tuple[int, ...]]  # op id -> engine block ids
+    deadline_ms: int  # unix ms after which no op of this job can still write (daemon deadline)
+    is_async: bool
+
+
+class StepMeta(Protocol):
+    """What the worker side reads from an engine's per-step metadata."""
+
+    loads: list[LoadJob]
+    finished: dict[str, bool]  # delayed request -> the daemon still holds it
+    preempted_ops: dict[str, list[int]]  # ops that may still touch blocks the engine takes back
+
+
+def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str, style: str = "vllm") -> DepotClient | None:
+    client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls(), token=cfg.token)
+    try:
+        engine_id = client.register_engine(
+            model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout),
+            keep_trying=True, update_style=style,
+        )
+    except DepotError as e:
+        log.error("kvdepot: the daemon at %s refused the engine (%s); the connector stays off", cfg.address, e)
+        client.close()
+        return None
+    if engine_id:  # else the client warned, naming the address, and keeps trying in the background
+        log.info("kvdepot: %s connected to %s as engine %s", name, cfg.address, engine_id)
+    return client
+
+
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str) -> None:
+    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str, style: str = "vllm") -> None:
         self.cfg = cfg
         self.layout = layout
         self.model = model
         self.key = key
+        self.style = style
         self.rank = 0
         self.client: DepotClient | None = None
         self.link: WorkerLink | None = None
@@ -45,19 +85,16 @@ class WorkerSide:
         self.ready: set[str] = set()  # may be reported finished sending once vLLM said it finished
         self.new_completed: set[int] = set()
         self.paths: list[str] = []
+        self.kv_request: Any = None  # the registration of the shared tensors (pb.RegisterKvCachesRequest)
         self.fds: list[int] = []
         self.not_attached_since: float | None = None
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self.layout is None:
+    def share(self, tensors: Sequence[torch.Tensor], names: Sequence[str], num_blocks: int, rank: int) -> None:
+        """Shares this rank's KV tensors with the daemon and registers them under the engine's key:
+        CUDA IPC handles, memfds handed over (a daemon at unix:PATH) or /dev/shm files."""
+        if self.layout is None or not tensors:
             return
-        names, tensors = list(kv_caches), list(kv_caches.values())
-        if not tensors:
-            return
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        self.rank = get_tensor_model_parallel_rank()
-        num_blocks = int(tensors[0].shape[1] if self.layout.kind == "vllm_flash" else tensors[0].shape[0])
+        self.rank = rank
         self.cuda = tensors[0].is_cuda
         try:
             if self.cuda:
@@ -69,11 +106,19 @@ class WorkerSide:
         except Exception as e:  # e.g. no room for the memory: the engine serves on, every load it is planned fails and is recomputed
             log.error("kvdepot: worker %d: cannot share the KV cache with the daemon (%s); loads and stores stay off", self.rank, e)
             return
-        self.client = connect(self.cfg, self.layout, self.model, self.key, f"{self.cfg.engine_name}-worker-{self.rank}")
+        self.kv_request = req
+        self.attach()
+
+    def attach(self) -> None:
+        """Registers the engine's key and this rank's shared KV tensors with the daemon (again, after
+        close_link: under a new key)."""
+        if self.kv_request is None or self.layout is None:
+            return
+        self.client = connect(self.cfg, self.layout, self.model, self.key, f"{self.cfg.engine_name}-worker-{self.rank}", self.style)
         if self.client is None:
             return
         self.link = self.client.worker(self.rank)
-        if not self.link.register_kv_caches(req, self.fds) and self.client.engine_id:
+        if not self.link.register_kv_caches(self.kv_request, self.fds) and self.client.engine_id:
             log.error("kvdepot: worker %d: the daemon refused the KV caches; loads and stores stay off", self.rank)
 
     # events ---------------------------------------------------------------------------------------
@@ -112,7 +157,7 @@ class WorkerSide:
         checks), or it is settled."""
         return all(op in self.done or op in self.copied for op in job.ops) or self._settled(job)
 
-    def _fail_unloaded(self, job: LoadJob) -> None:
+    def _fail_unloaded(self, job: LoadJob) -> list[int]:
         ok: set[int] = set()
         for op_id, blocks in job.ops.items():
             self.copied.discard(op_id)
@@ -121,8 +166,9 @@ class WorkerSide:
                 ok.update(set(blocks) - set(ev.failed_block_ids))
         failed = [b for b in job.targets if b not in ok]
         if failed:
-            log.info("kvdepot: request %s: %d of %d blocks not loaded; vLLM recomputes them", job.request_id, len(failed), len(job.targets))
+            log.info("kvdepot: request %s: %d of %d blocks not loaded", job.request_id, len(failed), len(job.targets))
             self.load_errors.update(failed)
+        return failed
 
     def _wait(self, settled: Any) -> None:
         while True:
@@ -132,13 +178,13 @@ class WorkerSide:
             self.link.wait_for_events(0.01)
 
     # per step --------------------------------------------------------------------------------------
-    def preempted(self, meta: KvDepotMetadata) -> None:
+    def preempted(self, meta: StepMeta) -> None:
         ops = [op for ops in meta.preempted_ops.values() for op in ops]
         if ops and self.link is not None:
             deadline = time.monotonic() + self.cfg.release_timeout_s
             self._wait(lambda: all(op in self.done for op in ops) or self._gone() or time.monotonic() > deadline)
 
-    def start_loads(self, meta: KvDepotMetadata) -> None:
+    def start_loads(self, meta: StepMeta) -> None:
         sync = [job for job in meta.loads if not job.is_async]
         for job in meta.loads:
             if job.is_async:
@@ -151,16 +197,18 @@ class WorkerSide:
         self._wait(lambda: all(self._in_place(job) for job in sync))
         self.checking += sync
 
-    def forward_done(self, step: int) -> None:
+    def forward_done(self, step: int, stream: Any = None) -> None:
+        """The forward of `step` is done (CPU) or enqueued: on CUDA an interprocess event recorded
+        on `stream` (default: the current stream) tells the daemon when it ends."""
         if self.link is None or step <= 0:
             return
         event = None
         if self.cuda:
             event = torch.cuda.Event(interprocess=True)
-            event.record()
+            event.record(stream)
         self.link.forward_done(step, event)
 
-    def finished(self, finished_req_ids: set[str], meta: KvDepotMetadata | None) -> tuple[set[str] | None, set[str] | None]:
+    def finished(self, finished_req_ids: set[str], meta: StepMeta | None) -> tuple[set[str] | None, set[str] | None]:
         self._absorb()
         self.seen_finished |= finished_req_ids
         if meta is not None:
@@ -197,11 +245,17 @@ class WorkerSide:
         out, self.load_errors = self.load_errors, set()
         return out
 
-    def worker_meta(self) -> KvDepotWorkerMetadata | None:
-        if not self.new_completed:
-            return None
+    def take_completed(self) -> set[int]:
+        """Op ids that ended since the last call."""
         out, self.new_completed = self.new_completed, set()
-        return KvDepotWorkerMetadata(out)
+        return out
+
+    def close_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+        if self.client is not None:
+            self.client.close()
+        self.link, self.client = None, None
 
     def close(self) -> None:
         if self.client is not None:

@@ -4,7 +4,7 @@
                            "kv_role":"kv_both","kv_connector_extra_config":{"address":"unix:/run/kvdepot/kvdepotd.sock"}}'
 
 Install with `pip install 'kvdepot[vllm]'`. The extra config keys are documented in
-kvdepot.vllm.config (and docs/vllm.md). The connector is imported on first use, so kvdepot.vllm.config
+kvdepot.connector.config (and docs/vllm.md). The connector is imported on first use, so kvdepot.connector.config
 can be read without vLLM installed.
 """
 

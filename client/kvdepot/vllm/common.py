@@ -1,5 +1,5 @@
 """What the connector's two roles share: the metadata that crosses the process boundary (small,
-picklable, no tensors), the engine's layout as both derive it, and the client connection."""
+picklable, no tensors) and the engine's layout as both derive it."""
 
 from __future__ import annotations
 
@@ -10,29 +10,16 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvdepot.client import DepotClient
-from kvdepot.errors import DepotError
+from kvdepot.connector.worker import LoadJob
 from kvdepot.layout import KvLayout
-from kvdepot.vllm.config import ConnectorConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger("kvdepot.vllm")
+__all__ = ["KvDepotMetadata", "KvDepotWorkerMetadata", "LoadJob", "layout_of"]
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-
-@dataclass
-class LoadJob:
-    """Loads into one request's blocks: the targets vLLM counts on, and the daemon's ops for them.
-    A target no successful op covered is a failed block (vLLM recomputes it)."""
-
-    request_id: str
-    targets: list[int]
-    ops: dict[int, tuple[int, ...]]  # op id -> engine block ids
-    deadline_ms: int  # unix ms after which no op of this job can still write (daemon deadline)
-    is_async: bool
 
 
 @dataclass
@@ -84,18 +71,3 @@ def layout_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
     except ValueError as e:
         return None, str(e)
     return layout, ""
-
-
-def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str) -> DepotClient | None:
-    client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls(), token=cfg.token)
-    try:
-        engine_id = client.register_engine(
-            model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout), keep_trying=True
-        )
-    except DepotError as e:
-        log.error("kvdepot: the daemon at %s refused the engine (%s); the connector stays off", cfg.address, e)
-        client.close()
-        return None
-    if engine_id:  # else the client warned, naming the address, and keeps trying in the background
-        log.info("kvdepot: %s connected to %s as engine %s", name, cfg.address, engine_id)
-    return client

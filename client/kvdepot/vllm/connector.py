@@ -40,10 +40,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvdepot.vllm.common import KvDepotMetadata, KvDepotWorkerMetadata, LoadJob, layout_of
-from kvdepot.vllm.config import ConnectorConfig
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.worker import LoadJob
+from kvdepot.vllm.common import KvDepotMetadata, KvDepotWorkerMetadata, layout_of
 from kvdepot.vllm.scheduler import SchedulerSide
-from kvdepot.vllm.worker import WorkerSide
+from kvdepot.vllm.worker import VllmWorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,14 +73,14 @@ class KvDepotConnector(KVConnectorBase_V1):
         model = vllm_config.model_config.model
         key = f"vllm:{tc.engine_id}"
         self._sched: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._worker: VllmWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if tc.kv_load_failure_policy != "recompute" and not self.cfg.keep_fail_policy:
                 log.info("kvdepot: kv_load_failure_policy set to 'recompute': a failed load of a cache costs a hit, not the request")
                 tc.kv_load_failure_policy = "recompute"
             self._sched = SchedulerSide(self.cfg, layout, model, key)
         else:
-            self._worker = WorkerSide(self.cfg, layout, model, key)
+            self._worker = VllmWorkerSide(self.cfg, layout, model, key)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -13,8 +13,9 @@ from vllm.v1.request import RequestStatus
 from kvdepot.errors import DepotError
 from kvdepot.layout import KvLayout
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
-from kvdepot.vllm.common import KvDepotMetadata, LoadJob, connect
-from kvdepot.vllm.config import ConnectorConfig
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.worker import LoadJob, connect
+from kvdepot.vllm.common import KvDepotMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
