@@ -1,0 +1,122 @@
+"""What the connector's two roles share: the metadata TensorRT-LLM broadcasts from the scheduler
+(rank 0) to every worker (small, picklable, no tensors), the engine's layout and key, and the
+settings."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvdepot.connector import config
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.worker import LoadJob
+from kvdepot.handles import _DTYPES
+from kvdepot.layout import KvLayout
+
+log = logging.getLogger("kvdepot.trtllm")
+STYLE = "trtllm"  # the daemon reads computed_position as TensorRT-LLM means it (docs/protocol.md)
+# Set by the MPI runtimes TensorRT-LLM runs under: one value per launch, the same on every rank.
+_JOB_VARS = ("KVDEPOT_ENGINE_KEY", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_JOBID", "SLURM_JOB_ID")
+
+
+@dataclass
+class TrtllmMeta:
+    """One step's instructions, built on rank 0 and broadcast by TensorRT-LLM to every rank."""
+
+    engine_key: str = ""  # the engine's key at the daemon: a worker registered under another one joins this
+    step: int = 0  # the client's step number when stores wait on this step's forward (else 0)
+    loads: list[LoadJob] = field(default_factory=list)
+    finished: dict[str, bool] = field(default_factory=dict)  # delayed request -> the daemon still holds it
+    preempted_ops: dict[str, list[int]] = field(default_factory=dict)  # ops of a re-admitted request's old blocks
+
+
+def settings(llm_args: Any) -> ConnectorConfig:
+    """KVDEPOT_* variables and $KVDEPOT_CONNECTOR_CONFIG (kvdepot.connector.config.from_env); the
+    address defaults to kv_connector_config.server_url where the release has that field. Loads
+    cannot be checked after the forward (TensorRT-LLM has no way to hear of a failed load)."""
+    server_url = getattr(getattr(llm_args, "kv_connector_config", None), "server_url", None)
+    defaults: dict[str, Any] = {"engine_name": "trtllm", "late_load_checks": "false"}
+    if server_url and "KVDEPOT_ADDRESS" not in os.environ:
+        defaults["address"] = server_url
+    cfg = config.from_env(os.environ, **defaults)
+    if cfg.late_load_checks == "true":
+        raise ValueError("kvdepot: late_load_checks cannot be on with TensorRT-LLM: it has no way to hear that a checked load failed")
+    return cfg
+
+
+def engine_key(llm_args: Any) -> str:
+    """The key every process of one TensorRT-LLM instance registers under: $KVDEPOT_ENGINE_KEY, else
+    the MPI launch's id (the same on every rank), else this process (one rank: the scheduler and
+    its worker share the process). Rank 0's scheduler sends its key in every step's metadata, and a
+    worker that derived another one registers again under it."""
+    job = next((os.environ[v] for v in _JOB_VARS if os.environ.get(v)), f"pid{os.getpid()}")
+    return f"trtllm:{socket.gethostname()}:{job}:{model_of(llm_args)}"
+
+
+def model_of(llm_args: Any) -> str:
+    return str(getattr(llm_args, "model", "") or "model")
+
+
+def check_args(llm_args: Any) -> str:
+    """Why kvdepot cannot serve this engine, or ""."""
+    if getattr(llm_args, "backend", "pytorch") not in (None, "pytorch"):
+        return f"the connector API needs the PyTorch backend, not {llm_args.backend!r}"
+    if int(getattr(llm_args, "pipeline_parallel_size", 1) or 1) != 1:
+        return "pipeline parallelism is not supported (TensorRT-LLM's connector API refuses it too)"
+    if int(getattr(llm_args, "max_beam_width", 1) or 1) != 1:
+        return "beam width must be 1"
+    return ""
+
+
+def layout_of(pool: torch.Tensor, llm_args: Any) -> KvLayout:
+    """The layout of TensorRT-LLM's primary pool [num_blocks, layers, kv_factor, heads *
+    tokens_per_block * head_dim]: the pool folds heads and head_dim, so the layout has one head of
+    heads * head_dim (the bytes of a block are what count; the model's name keeps different
+    models apart). Raises ValueError saying what does not fit."""
+    if pool.dim() != 4:
+        raise ValueError(f"the KV pool has shape {list(pool.shape)}; TensorRT-LLM's is [blocks, layers, kv_factor, elements]")
+    if pool.dtype not in _DTYPES:
+        raise ValueError(f"KV cache dtype {pool.dtype} cannot be shared")
+    tpb = int(llm_args.kv_cache_config.tokens_per_block)
+    _, layers, kv_factor, per_block = (int(d) for d in pool.shape)
+    if per_block % tpb:
+        raise ValueError(f"a block's {per_block} elements per layer are not a multiple of tokens_per_block {tpb}")
+    layout = KvLayout(
+        num_layers=layers, num_kv_heads=1, head_size=per_block // tpb, dtype=_DTYPES[pool.dtype], block_size=tpb,
+        world_size=int(getattr(llm_args, "tensor_parallel_size", 1) or 1), kind="trtllm", kv_factor=kv_factor,
+    )
+    layout.validate()
+    return layout
+
+
+class Rendezvous:
+    """What rank 0's worker and the scheduler, built in the same process, tell each other: the
+    layout the worker derived from the pool (the scheduler registers the engine with it), and the
+    scheduler itself (the worker reports loads that failed, see SchedulerSide.rewind)."""
+
+    _lock = threading.Lock()
+    _layouts: dict[str, KvLayout] = {}
+    _schedulers: dict[str, Any] = {}
+
+    @classmethod
+    def scheduler(cls, key: str, side: Any = None) -> Any:
+        with cls._lock:
+            if side is not None:
+                cls._schedulers[key] = side
+            return cls._schedulers.get(key)
+
+    @classmethod
+    def publish(cls, key: str, layout: KvLayout) -> None:
+        with cls._lock:
+            cls._layouts[key] = layout
+
+    @classmethod
+    def layout(cls, key: str) -> KvLayout | None:
+        with cls._lock:
+            return cls._layouts.get(key)

@@ -1,0 +1,77 @@
+"""KvDepotScheduler and KvDepotWorker: the classes TensorRT-LLM loads through
+`kv_connector_config` (connector_module: kvdepot.trtllm). Thin facades over the two sides,
+kvdepot.trtllm.scheduler (rank 0) and kvdepot.trtllm.worker (every rank); they subclass
+TensorRT-LLM's own bases where it imports, kvdepot.testing.trtllm's stand-ins elsewhere."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvdepot.trtllm.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, mpi_rank
+from kvdepot.trtllm.common import TrtllmMeta, check_args, engine_key, model_of, settings
+from kvdepot.trtllm.scheduler import SchedulerSide
+from kvdepot.trtllm.worker import TrtllmWorkerSide
+
+log = logging.getLogger("kvdepot.trtllm")
+
+
+class KvDepotScheduler(KvCacheConnectorScheduler):
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        if why := check_args(llm_args):
+            log.error("kvdepot: connector disabled: %s", why)
+        tpb = int(llm_args.kv_cache_config.tokens_per_block)
+        self.side = SchedulerSide(settings(llm_args), model_of(llm_args), engine_key(llm_args), tpb)
+        if why:
+            self.side.key = ""  # never connects
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.side.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        self.side.allocated(request, block_ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> TrtllmMeta:
+        meta = TrtllmMeta()
+        self.side.build(scheduler_output, meta)
+        return meta
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        return self.side.finished(request)
+
+    def shutdown(self) -> None:
+        self.side.close()
+
+
+class KvDepotWorker(KvCacheConnectorWorker):
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self.side = TrtllmWorkerSide(settings(llm_args), llm_args)
+
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+        self.side.register(kv_cache_tensor, mpi_rank())
+
+    def bind_connector_meta(self, metadata: object) -> None:
+        super().bind_connector_meta(metadata)
+        self.side.bound(metadata)
+
+    def start_load_kv(self, stream: Any) -> None:
+        self.side.before_forward(self._metadata)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        return  # start_load_kv already waited for the step's synchronous loads
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        return  # the daemon copies computed blocks itself once the forward is reported done
+
+    def wait_for_save(self, stream: Any) -> None:
+        self.side.after_forward(self._metadata, stream)
+
+    def get_finished(self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
+        return self.side.finished_ids(self._metadata, finished_gen_req_ids, started_loading_req_ids)
+
+    def shutdown(self) -> None:
+        self.side.close()

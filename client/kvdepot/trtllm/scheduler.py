@@ -1,0 +1,296 @@
+"""The connector's scheduler side (rank 0): turns TensorRT-LLM's own request semantics into slot
+updates, at most one Step per engine step (docs/trtllm.md walks through it).
+
+    get_num_new_matched_tokens(request, L)   L is TensorRT-LLM's own prefix hit; asks the daemon
+                                             for E beyond it (a short deadline: a miss when slow)
+    update_state_after_alloc(request, ids)   commits L, E and the block table; an async load is
+                                             announced in the next Step (the request is absent
+                                             from the scheduler output until it has loaded)
+    build_connector_meta(output)             new requests as new with L and E apart (so blocks the
+                                             engine had are never stored again), cached requests
+                                             as cached, token and block deltas only
+    request_finished(request, ids)           True while the daemon may still read its blocks
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdepot.client import DepotClient
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.worker import LoadJob, connect
+from kvdepot.errors import DepotError
+from kvdepot.messages import StepBatch, StepResult, cached_update_needed
+from kvdepot.trtllm.common import STYLE, Rendezvous, TrtllmMeta
+
+log = logging.getLogger("kvdepot.trtllm")
+
+
+@dataclass
+class ReqState:
+    request: Any  # TensorRT-LLM's LlmRequest
+    L: int = 0  # the engine's own prefix hit at the last admission
+    E: int = 0  # tokens loaded from the daemon at the last admission
+    is_async: bool = False
+    tokens: list[int] = field(default_factory=list)  # what the engine reported (prompt, then deltas)
+    table: list[int] = field(default_factory=list)
+    announced: bool = False  # the daemon got this admission's new update
+    restart: bool = False  # admitted again (TensorRT-LLM replays a request whose allocation died)
+    epoch: int = -1  # the client's registration epoch when the daemon learned of it
+    sent_tokens: int = 0
+    sent_blocks: int = 0
+    sent_end: int = 0  # computed + scheduled of the last update sent (the daemon's terms)
+    ops: dict[int, int] = field(default_factory=dict)  # op id -> deadline (unix ms): may still touch its blocks
+    lost: bool = False  # a Step carrying its update went unanswered: no more updates
+
+
+class SchedulerSide:
+    def __init__(self, cfg: ConnectorConfig, model: str, key: str, block_size: int) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.key = key
+        self.bs = block_size
+        self.client: DepotClient | None = None
+        self.reqs: dict[str, ReqState] = {}
+        self.guess: dict[str, tuple[int, int, bool]] = {}  # rid -> (L, E, async) answered, not yet allocated
+        self.async_starts: list[str] = []
+        self.to_finish: list[str] = []
+        self.to_preempt: list[str] = []
+        self.delayed: set[str] = set()
+        self.admissions: collections.deque[tuple[str, int, int, int]] = collections.deque(maxlen=1024)  # (rid, L, E, C) sent
+        self._waiting_since = time.monotonic()
+        Rendezvous.scheduler(key, self)
+
+    def _ready(self) -> bool:
+        """Connected: the daemon is asked only once rank 0's worker has shared the pool's layout."""
+        if self.client is not None:
+            return True
+        layout = Rendezvous.layout(self.key)
+        if layout is None:
+            if time.monotonic() - self._waiting_since > 60:
+                log.warning("kvdepot: rank 0's worker has not registered the KV pool yet; the connector stays idle")
+                self._waiting_since = time.monotonic()
+            return False
+        self.client = connect(self.cfg, layout, self.model, self.key, self.cfg.engine_name, STYLE)
+        if self.client is None:
+            Rendezvous.publish(self.key, layout)  # refused: connect() said why; stay off
+        return self.client is not None
+
+    @staticmethod
+    def _usable(request: Any) -> bool:
+        # Tokens alone do not name multimodal or embedding-fed KV: such requests stay with the engine.
+        for attr in ("multimodal_hashes", "py_multimodal_data", "prompt_embedding_table"):
+            if getattr(request, attr, None) is not None:
+                return False
+        return True
+
+    @staticmethod
+    def _names(request: Any) -> tuple[str, str]:
+        salt = getattr(request, "cache_salt", None) or ""
+        lora = getattr(request, "lora_task_id", None)
+        return str(salt), "" if lora is None else f"trtllm-lora-{lora}"
+
+    # -- TensorRT-LLM's scheduler calls -------------------------------------------------------------
+    def matched(self, request: Any, L: int) -> tuple[int, bool]:
+        rid = str(request.request_id)
+        st = self.reqs.get(rid)
+        if st is not None and st.announced and st.epoch >= 0:
+            st.restart = True  # asked again: its allocation died and it runs again from the start
+        if not self._ready() or not self._usable(request) or (st is not None and st.lost):
+            self.guess[rid] = (L, 0, False)
+            return 0, False
+        assert self.client is not None
+        tokens = request.get_tokens(0)
+        offerable = (len(tokens) - 1) // self.bs * self.bs - L  # never past the last prompt token
+        if offerable <= 0 or L % self.bs:
+            self.guess[rid] = (L, 0, False)
+            return 0, False  # the engine has all it can use itself: no round trip
+        salt, lora = self._names(request)
+        res = self.client.lookup(rid, tokens, device_matched_tokens=L, cache_salt=salt, lora_name=lora, timeout_s=self.cfg.lookup_timeout_ms / 1000)
+        E = min(res.matched_tokens, offerable)
+        is_async = bool(E) and self.cfg.load_async
+        self.guess[rid] = (L, E, is_async)
+        return E, is_async
+
+    def allocated(self, request: Any, block_ids: list[int]) -> None:
+        rid = str(request.request_id)
+        guess = self.guess.pop(rid, None)
+        if guess is None or self.client is None:
+            return
+        L, E, is_async = guess
+        st = self.reqs.get(rid)
+        if st is None:
+            st = self.reqs[rid] = ReqState(request)
+        elif st.restart:
+            self.to_preempt.append(rid)  # the daemon lets go of the old blocks before the new row
+        st.L, st.E, st.is_async, st.table, st.announced = L, E, is_async, list(block_ids), False
+        st.tokens = request.get_tokens(0)
+        st.sent_blocks = st.sent_end = 0
+        if is_async:
+            self.async_starts.append(rid)
+
+    def build(self, so: Any, meta: TrtllmMeta) -> None:
+        if self.client is None:
+            return
+        meta.engine_key = self.key
+        epoch = self.client.epoch
+        if self.to_preempt:
+            self._preempt(meta)
+        batch = StepBatch()
+        batch.finished, self.to_finish = self.to_finish, []
+        loads: list[ReqState] = []
+        starts, self.async_starts = self.async_starts, []
+        for rid in starts:  # absent from the output until loaded: announced now, while it loads
+            st = self.reqs.get(rid)
+            if st is not None:
+                self._new(batch, st, st.L + st.E, 0)
+                loads.append(st)
+        for rd in so.new_requests:
+            st = self.reqs.get(str(rd.request_id))
+            if st is None:
+                continue
+            st.tokens = list(rd.new_tokens)
+            if st.announced and st.is_async and st.epoch == epoch:  # emitted after its async load: it continues
+                st.table = list(rd.new_block_ids)
+                self._cached(batch, st, rd.computed_position, rd.num_scheduled_tokens, force=True)
+                continue
+            st.table = list(rd.new_block_ids)
+            self._new(batch, st, rd.computed_position, rd.num_scheduled_tokens)
+            if st.E and not st.is_async and st.announced:
+                loads.append(st)
+        for rd in so.cached_requests:
+            st = self.reqs.get(str(rd.request_id))
+            if st is None:
+                continue
+            st.tokens += rd.new_tokens
+            st.table += rd.new_block_ids
+            if st.epoch == epoch and st.announced:
+                self._cached(batch, st, rd.computed_position, rd.num_scheduled_tokens)
+        if not self.client.engine_id:  # not registered (yet): the daemon knows none of this
+            for rid in batch.request_ids:
+                self.reqs[rid].epoch = -1
+            batch = StepBatch()
+        result = self.client.step(batch)
+        meta.step = result.step if any(op.kind == "store" for op in result.ops) else 0
+        self._take_result(batch, result, loads, meta)
+
+    def _preempt(self, meta: TrtllmMeta) -> None:
+        """Re-admitted requests: the daemon ends what it planned on their old blocks, and every
+        worker waits for those ops before this step's forward may write blocks again."""
+        assert self.client is not None
+        batch = StepBatch()
+        rids, self.to_preempt = self.to_preempt, []
+        now = time.time() * 1000
+        for rid in rids:
+            st = self.reqs.get(rid)
+            if st is None:
+                continue
+            if st.epoch == self.client.epoch:
+                batch.preempted.append(rid)
+            if live := [op for op, deadline in st.ops.items() if deadline + 1000 > now]:
+                meta.preempted_ops[rid] = live
+            st.restart, st.ops = False, {}
+        if len(batch.preempted):
+            self.client.step(batch)
+
+    def _new(self, batch: StepBatch, st: ReqState, C: int, S: int) -> None:
+        assert self.client is not None
+        if st.epoch != self.client.epoch:
+            if st.epoch >= 0 and st.E:
+                # The daemon restarted while this request may have been loading: what reached its
+                # blocks is unknown, so nothing computed over them may be stored.
+                st.lost = True
+            st.epoch, st.sent_tokens = self.client.epoch, 0
+        if st.lost:
+            return
+        upto = min(len(st.tokens), max(C + S, st.L + st.E))
+        salt, lora = self._names(st.request)
+        L = min(st.L, C)
+        batch.new(str(st.request.request_id), st.tokens[:upto], st.table, computed=C, scheduled=S, device_matched=L, loaded=st.E, cache_salt=salt, lora_name=lora)
+        # The daemon's terms: a synchronous load's tokens are computed (TensorRT-LLM leaves them out).
+        end = (st.L + st.E if C == st.L and st.E else C) + S
+        st.sent_tokens, st.sent_blocks, st.sent_end, st.announced = upto, len(st.table), end, True
+        self.admissions.append((str(st.request.request_id), L, st.E, C))
+        log.debug("kvdepot: request %s admitted: L=%d E=%d computed=%d scheduled=%d", st.request.request_id, L, st.E, C, S)
+
+    def _cached(self, batch: StepBatch, st: ReqState, C: int, S: int, force: bool = False) -> None:
+        end = C + S
+        if st.lost or not (force or cached_update_needed(self.bs, len(st.table), st.sent_blocks, C, S, st.sent_end)):
+            return
+        upto = min(len(st.tokens), end)
+        batch.cached(str(st.request.request_id), st.tokens[st.sent_tokens : upto], st.table[st.sent_blocks :], computed=C, scheduled=S)
+        st.sent_tokens, st.sent_blocks, st.sent_end = max(st.sent_tokens, upto), len(st.table), end
+
+    def _take_result(self, batch: StepBatch, result: StepResult, loads: list[ReqState], meta: TrtllmMeta) -> None:
+        if result.degraded and len(batch):
+            for rid in batch.request_ids:  # applied or not, unknown: no more updates (see kvdepot.vllm)
+                if (st := self.reqs.get(rid)) is not None:
+                    st.lost = True
+        for rid in batch.finished:
+            if rid in self.delayed:
+                self.delayed.discard(rid)
+                meta.finished[rid] = result.degraded or rid in result.delay_free
+        by_req: dict[str, dict[int, tuple[int, ...]]] = collections.defaultdict(dict)
+        deadline: dict[str, int] = {}
+        for op in result.ops:
+            if (st := self.reqs.get(op.request_id)) is not None:
+                st.ops[op.op_id] = op.deadline_ms
+            if op.kind == "load":
+                by_req[op.request_id][op.op_id] = op.block_ids
+                deadline[op.request_id] = max(deadline.get(op.request_id, 0), op.deadline_ms)
+        for st in loads:
+            rid = str(st.request.request_id)
+            first, end = st.L // self.bs, (st.L + st.E) // self.bs
+            # No op for a promised load (the daemon refused or did not answer): every target fails.
+            meta.loads.append(LoadJob(rid, st.table[first:end], by_req.get(rid, {}), deadline.get(rid, 0), st.is_async))
+
+    def rewind(self, request_id: str, failed_blocks: list[int], world_size: int) -> bool:
+        """Blocks of a load that did not arrive intact: with one rank, the request's
+        context_current_position goes back to the first of them, so TensorRT-LLM computes them
+        instead (its connector API has no other way to say a load failed; called from the worker
+        before the request's forward). With more ranks each holds its own copy of the request and
+        only rank 0's is here: nothing can be rewound. True when rewound."""
+        st = self.reqs.get(request_id)
+        if st is None or not failed_blocks:
+            return False
+        at = min((st.table.index(b) for b in failed_blocks if b in st.table), default=-1) * self.bs
+        if world_size != 1 or at < 0:
+            log.error(
+                "kvdepot: request %s: %d promised blocks did not load intact and TensorRT-LLM with %d ranks cannot be told to "
+                "compute them: this request's KV from token %d on is wrong (the daemon stores nothing computed over it)",
+                request_id, len(failed_blocks), world_size, at,
+            )
+            return False
+        request = st.request
+        if request.context_current_position > at:
+            log.warning("kvdepot: request %s: %d blocks did not load; TensorRT-LLM computes from token %d instead", request_id, len(failed_blocks), at)
+            request.context_current_position = at
+        return True
+
+    def finished(self, request: Any) -> bool:
+        """Whether TensorRT-LLM must keep the request's blocks until the workers report it saved: an
+        op of it may still read or write them (the next Step's answer says whether the daemon still
+        holds the request; the workers report the release)."""
+        rid = str(request.request_id)
+        self.guess.pop(rid, None)
+        st = self.reqs.pop(rid, None)
+        if st is None or self.client is None or st.epoch != self.client.epoch:
+            return False
+        self.to_finish.append(rid)
+        now = time.time() * 1000
+        if st.lost or any(deadline + 1000 > now for deadline in st.ops.values()):
+            self.delayed.add(rid)
+            return True
+        return False
+
+    def close(self) -> None:
+        if self.client is not None:
+            try:
+                self.client.unregister()
+            except DepotError:
+                pass
+            self.client.close()

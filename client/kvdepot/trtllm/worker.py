@@ -1,0 +1,102 @@
+"""The connector's worker side (every rank): TensorRT-LLM's KV pool handed to the engine-neutral
+kvdepot.connector.worker, and TensorRT-LLM's get_finished contract (an id is returned only after
+TensorRT-LLM passed it in, and TensorRT-LLM acts on it once every rank has returned it)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.worker import LoadJob, WorkerSide
+from kvdepot.trtllm.common import STYLE, Rendezvous, TrtllmMeta, check_args, engine_key, layout_of, model_of
+
+log = logging.getLogger("kvdepot.trtllm")
+
+
+class TrtllmWorkerSide(WorkerSide):
+    def __init__(self, cfg: ConnectorConfig, llm_args: Any) -> None:
+        super().__init__(cfg, None, model_of(llm_args), engine_key(llm_args), STYLE)
+        self.llm_args = llm_args
+        self.late = False  # a load's bytes are used only once checked: TensorRT-LLM cannot hear of a failed one
+        self.saving: set[str] = set()  # passed in as saving (request_finished said True), not returned yet
+        self.loading: set[str] = set()  # passed in as loading asynchronously, not returned yet
+        self.loaded: set[str] = set()  # loads that ended, not passed in yet
+        self.fresh_meta = False  # the bound metadata's finished map is still to be read
+        self.load_failures = 0  # blocks promised to TensorRT-LLM that did not arrive intact
+        self.failed: dict[str, list[int]] = {}  # request -> its blocks whose load failed, not yet acted on
+
+    def register(self, pool: torch.Tensor, rank: int) -> None:
+        why = check_args(self.llm_args)
+        try:
+            layout = None if why else layout_of(pool, self.llm_args)
+        except ValueError as e:
+            layout, why = None, str(e)
+        if layout is None:
+            log.error("kvdepot: connector disabled: %s", why)
+            return
+        self.layout = layout
+        if rank == 0:
+            Rendezvous.publish(self.key, layout)
+        self.share([pool], ["kv_pool"], int(pool.shape[0]), rank)
+
+    def bound(self, meta: object) -> None:
+        self.fresh_meta = True
+        if isinstance(meta, TrtllmMeta) and meta.engine_key and meta.engine_key != self.key and self.kv_request is not None:
+            log.warning(
+                "kvdepot: worker %d registered as %s, the scheduler as %s: joining the scheduler's engine "
+                "(set KVDEPOT_ENGINE_KEY to the same value on every rank to skip this)", self.rank, self.key, meta.engine_key,
+            )
+            self.close_link()
+            self.key = meta.engine_key
+            self.attach()
+
+    def _fail_unloaded(self, job: LoadJob) -> list[int]:
+        failed = super()._fail_unloaded(job)
+        if failed:
+            self.failed.setdefault(job.request_id, []).extend(failed)
+        return failed
+
+    def before_forward(self, meta: object) -> None:
+        """The step's synchronous loads settle before the forward (whose inputs TensorRT-LLM
+        prepares after this call): a load that failed is known while its request can still be
+        told to compute those blocks."""
+        if isinstance(meta, TrtllmMeta):
+            self.preempted(meta)
+            self.start_loads(meta)
+            self.take_load_errors()
+            self._act_on_failures()
+
+    def _act_on_failures(self) -> None:
+        failed, self.failed = self.failed, {}
+        for rid, blocks in failed.items():
+            self.load_failures += len(blocks)
+            if self.rank != 0:
+                continue  # rank 0 speaks for the engine (the scheduler is in its process)
+            side = Rendezvous.scheduler(self.key)
+            if side is None:
+                log.error("kvdepot: request %s: %d blocks did not load, and this process has no scheduler to rewind it", rid, len(blocks))
+                continue
+            side.rewind(rid, blocks, self.layout.world_size if self.layout else 1)
+
+    def after_forward(self, meta: object, stream: Any) -> None:
+        if isinstance(meta, TrtllmMeta):
+            self.forward_done(meta.step, stream)
+
+    def finished_ids(self, meta: object, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
+        use = meta if isinstance(meta, TrtllmMeta) and self.fresh_meta else None
+        self.fresh_meta = False
+        # TensorRT-LLM passes an id in once, in the step request_finished ran, before the Step that
+        # tells whether the daemon still holds it: every id passed in is offered until returned.
+        self.saving |= {str(r) for r in finished_gen_req_ids}
+        sending, recving = self.finished(set(self.saving), use)
+        self.saving -= sending or set()
+        self.loading |= {str(r) for r in started_loading_req_ids}
+        self._act_on_failures()  # async loads that failed: rewound before TensorRT-LLM hears they ended
+        self.loaded |= recving or set()
+        out = self.loaded & self.loading
+        self.loaded -= out
+        self.loading -= out
+        return sorted(int(r) for r in sending or ()), sorted(int(r) for r in out)

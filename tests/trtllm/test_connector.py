@@ -1,0 +1,245 @@
+"""kvdepot.trtllm end to end: TensorRT-LLM's scheduling loop (the stand-in executor) over a real
+daemon and real KV memory, every position's KV checked on every rank (bad_kv), the daemon's own
+counters saying what it planned."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import pytest
+
+from kvdepot.testing import DaemonProcess
+from kvdepot.testing.trtllm import LlmRequestState
+from kvdepot.testing.trtllm_executor import StandInExecutor
+from tests.trtllm.conftest import BS, Make, counters, generated, prompt
+
+
+def served_twice(ex: StandInExecutor, p: list[int], max_new: int = 4) -> tuple[int, int]:
+    """Runs `p`, drops the engine's own prefix cache, runs it again; both outputs must agree and
+    every position's KV be right. Returns the two request ids."""
+    a = ex.add(p, max_new)
+    ex.run()
+    ex.reset_prefix_cache()
+    b = ex.add(p, max_new)
+    ex.run()
+    assert generated(ex, b.request_id) == generated(ex, a.request_id)
+    assert ex.bad_kv == {a.request_id: [], b.request_id: []}
+    return a.request_id, b.request_id
+
+
+def test_new_request_after_a_gpu_hit_stores_only_the_blocks_after_it(make: Make) -> None:
+    """The seed's bug: a new request whose first blocks TensorRT-LLM matched on the GPU must not
+    have them offloaded again. The daemon is emptied after the first request, so a connector that
+    sent the engine's hit as computed tokens would have all six blocks planned again."""
+    ex = make()
+    common = prompt(64)
+    first = ex.add(common + prompt(36, start=500))
+    ex.run()
+    assert counters(ex)["store_blocks_planned"] == 6
+    ex.scheduler.side.client.clear()  # type: ignore[union-attr]
+    second = ex.add(common + prompt(36, start=900))
+    ex.run()
+    assert ex.matched[second.request_id] == (64, 0, False)  # TensorRT-LLM's own hit: blocks 0-3
+    c = counters(ex)
+    assert c["store_blocks_planned"] == 6 + 2  # blocks 4 and 5 only
+    assert c["store_blocks_already_cached"] == 0
+    assert ("2", 64, 0, 64) in ex.scheduler.side.admissions  # L and E sent apart: computed_position counts the GPU hit only
+    assert ex.bad_kv == {first.request_id: [], second.request_id: []}
+
+
+def test_daemon_hit_loaded_synchronously_is_byte_identical(make: Make) -> None:
+    ex = make()
+    a, b = served_twice(ex, prompt(100))
+    assert ex.matched[b] == (0, 96, False)
+    c = counters(ex)
+    assert c["loaded_blocks"] == 6 and c["stored_blocks"] == 6 and c["store_blocks_planned"] == 6  # nothing stored twice
+
+
+def test_daemon_hit_loaded_asynchronously_is_byte_identical(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request is left out of the scheduler output while it loads and comes back as new with
+    its whole prompt: the slot continues (the daemon refuses a new row whose tokens do not match)."""
+    monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", "true")
+    ex = make()
+    p = prompt(100)
+    a = ex.add(p)
+    ex.run()
+    ex.reset_prefix_cache()
+    b = ex.add(p)
+    parked = 0
+    while ex.active or ex.waiting:
+        ex.step()
+        parked += b.state is LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS
+        time.sleep(0.001)
+    assert ex.matched[b.request_id] == (0, 96, True) and parked >= 1
+    assert generated(ex, b.request_id) == generated(ex, a.request_id)
+    assert ex.bad_kv == {a.request_id: [], b.request_id: []}
+    c = counters(ex)
+    assert c["loaded_blocks"] == 6 and c["store_blocks_planned"] == 6
+
+
+def test_chunked_prefill(make: Make) -> None:
+    """Chunks of 32 tokens: stores follow the chunks, a later hit loads them, the tail is computed."""
+    ex = make(chunk_size=32)
+    a, b = served_twice(ex, prompt(150))
+    assert ex.matched[b] == (0, 144, False)
+    assert counters(ex)["store_blocks_planned"] == 9
+
+
+def test_generation_phase_stores(make: Make) -> None:
+    """Blocks the generation fills are stored too: a later request that continues the conversation
+    loads the prompt and the generated blocks."""
+    ex = make()
+    a = ex.add(prompt(40), 50)
+    ex.run()
+    tokens = ex.done[a.request_id].get_tokens(0)
+    assert counters(ex)["store_blocks_planned"] == (len(tokens) - 1) // BS  # the last sampled token has no KV
+    ex.reset_prefix_cache()
+    b = ex.add(tokens + [7, 8, 9], 2)
+    ex.run()
+    assert ex.matched[b.request_id] == (0, (len(tokens) - 1) // BS * BS, False)
+    assert ex.bad_kv[b.request_id] == []
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_two_ranks(make: Make, monkeypatch: pytest.MonkeyPatch, load_async: bool) -> None:
+    """Tensor parallel 2: each rank its own pool and worker, one scheduler; every rank's KV right."""
+    monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", str(load_async).lower())
+    ex = make(world_size=2)
+    a, b = served_twice(ex, prompt(100))
+    assert ex.matched[b] == (0, 96, load_async)
+    c = counters(ex)
+    assert c["loaded_blocks"] == 6 and c["stored_blocks"] == 6
+
+
+def test_an_async_load_completes_only_once_every_rank_returned_it(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", "true")
+    ex = make(world_size=2)
+    p = prompt(100)
+    ex.add(p)
+    ex.run()
+    ex.reset_prefix_cache()
+    slow = ex.workers[1]
+    real = slow.get_finished
+    held: list[int] = []
+
+    def late(saved: list[int], loading: list[int]) -> tuple[list[int], list[int]]:
+        s, loaded = real(saved, loading)
+        held.extend(loaded)
+        if len(held) and ex.iterations < hold_until:
+            return s, []
+        out, held[:] = list(held), []
+        return s, out
+
+    slow.get_finished = late  # type: ignore[method-assign]
+    b = ex.add(p)
+    hold_until = 10**9
+    end = time.monotonic() + 10
+    while not held:  # rank 0 has returned it (its load ended): rank 1 holds it back
+        ex.step()
+        assert time.monotonic() < end
+        time.sleep(0.002)
+    for _ in range(5):
+        ex.step()
+        assert b.state is LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS  # parked until every rank returned it
+    hold_until = 0
+    ex.run()
+    assert ex.bad_kv[b.request_id] == []
+
+
+def test_preemption_and_readmission(make: Make) -> None:
+    """TensorRT-LLM replays a request whose allocation died: asked again, it loads what the daemon
+    stored from its first run into new blocks and finishes with the same output."""
+    ex = make()
+    p = prompt(100)
+    ref = ex.add(p, 8)
+    ex.run()
+    ex.reset_prefix_cache()
+    ex.scheduler.side.client.clear()  # type: ignore[union-attr]
+    r = ex.add(p, 8)
+    while len(r.get_tokens(0)) < 103:  # context done, two tokens generated
+        ex.step()
+    ex.step()
+    ex.reset_prefix_cache()
+    ex.preempt(r)
+    ex.run()
+    L, E, _ = ex.matched[r.request_id]
+    assert L == 0 and E == 96  # loaded from the daemon into its new blocks
+    assert generated(ex, r.request_id) == generated(ex, ref.request_id)
+    assert ex.bad_kv[r.request_id] == []
+    assert counters(ex)["preemptions"] == 1
+
+
+def test_k_only_pool_round_trips_and_never_meets_k_and_v_blocks(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_factor 1 (MLA keeps K only): byte-exact both ways; an engine of the same model with K and
+    V is in another layout class and never gets those blocks."""
+    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "mla-k-only")
+    k_only = make(kv_factor=1, model="mla-model")
+    assert k_only.workers[0].side.layout.kv_factor == 1
+    served_twice(k_only, prompt(100))
+    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "mla-k-and-v")
+    kv = make(model="mla-model")
+    r = kv.add(prompt(100))
+    kv.run()
+    assert kv.matched[r.request_id] == (0, 0, False)
+    assert kv.bad_kv[r.request_id] == []
+
+
+def test_a_rank_under_another_key_joins_the_schedulers_engine(make: Make, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A rank that derived another key than rank 0 (no MPI job id both see) joins the scheduler's
+    engine once the first metadata names it."""
+    keys = iter(["k-shared", "k-rank-1", "k-shared"])  # rank 0's worker, rank 1's worker, the scheduler (rank 0's process)
+    monkeypatch.setattr("kvdepot.trtllm.worker.engine_key", lambda args: next(keys))
+    monkeypatch.setattr("kvdepot.trtllm.connector.engine_key", lambda args: next(keys))
+    with caplog.at_level(logging.WARNING, logger="kvdepot.trtllm"):
+        ex = make(world_size=2)
+        served_twice(ex, prompt(100))
+    assert [w.side.key for w in ex.workers] == ["k-shared", "k-shared"]
+    assert "joining the scheduler's engine" in caplog.text
+
+
+def test_corrupted_block_is_recomputed(monkeypatch: pytest.MonkeyPatch, make: Make) -> None:
+    """A block whose checksum fails on the way in: TensorRT-LLM computes from it instead (one rank:
+    the request's context_current_position goes back), never runs on wrong KV, and the daemon stores
+    what it computed."""
+    d = DaemonProcess(args=["--host-gib", "0.25", "--fault-corrupt-loads", "2"]).start()
+    try:
+        ex = make(address=d.tcp)
+        a = ex.add(prompt(100))
+        ex.run()
+        ex.reset_prefix_cache()
+        b = ex.add(prompt(100))
+        ex.run()
+        assert generated(ex, b.request_id) == generated(ex, a.request_id)
+        assert ex.bad_kv[b.request_id] == []
+        assert ex.workers[0].side.load_failures == 2
+        c = counters(ex)
+        assert c["checksum_failures"] == 2 and c["load_failed_blocks"] == 2
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_daemon_killed_during_a_load(monkeypatch: pytest.MonkeyPatch, make: Make, load_async: bool) -> None:
+    """The daemon dies while it copies a load: the engine stops waiting within a second of it (not
+    at the op deadline) and computes what did not arrive (one rank: the request is rewound)."""
+    monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", str(load_async).lower())
+    d = DaemonProcess(args=["--host-gib", "0.25", "--fault-load-delay-ms", "3000", "--op-timeout-ms", "20000"]).start()
+    try:
+        ex = make(address=d.tcp)
+        a = ex.add(prompt(100))
+        ex.run()
+        ex.reset_prefix_cache()
+        b = ex.add(prompt(100))
+        assert d.proc is not None
+        threading.Timer(0.5, d.proc.send_signal, (signal.SIGKILL,)).start()  # while the load waits in the daemon
+        t0 = time.monotonic()
+        ex.run(timeout_s=15)
+        assert ex.matched[b.request_id][1] == 96
+        assert time.monotonic() - t0 < 5  # well short of the op deadline (20 s)
+        assert generated(ex, b.request_id) == generated(ex, a.request_id)
+        assert ex.bad_kv[b.request_id] == []
+    finally:
+        d.stop(signal.SIGKILL)
