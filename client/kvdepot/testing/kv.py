@@ -22,10 +22,11 @@ POISON = -1.0  # what fresh blocks hold: a load that did not happen shows up
 
 
 class FakeKv:
-    def __init__(self, layout: KvLayout, num_blocks: int) -> None:
+    def __init__(self, layout: KvLayout, num_blocks: int, device: str = "cpu") -> None:
         self.layout = layout
         self.num_blocks = num_blocks
         self.dtype = TORCH_DTYPES[layout.dtype]
+        self.device = torch.device(device)  # cuda: the pool an engine exports with CUDA IPC handles
         self.ranks: list[list[torch.Tensor]] = [self._alloc() for _ in range(layout.world_size)]
         self.requests: list[pb.RegisterKvCachesRequest] = []
         self.paths: list[str] = []
@@ -34,14 +35,14 @@ class FakeKv:
     def _alloc(self) -> list[torch.Tensor]:
         L, H, D, bs, nb, dt = self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_size, self.layout.block_size, self.num_blocks, self.dtype
         if self.layout.kind == "vllm_cpu":
-            whole = torch.full((L, nb, H, bs, 2 * D), POISON, dtype=dt)
+            whole = torch.full((L, nb, H, bs, 2 * D), POISON, dtype=dt, device=self.device)
             return [whole[l] for l in range(L)]  # views into one storage
         if self.layout.kind == "vllm_flash":
-            return [torch.full((2, nb, bs, H, D), POISON, dtype=dt) for _ in range(L)]
+            return [torch.full((2, nb, bs, H, D), POISON, dtype=dt, device=self.device) for _ in range(L)]
         if self.layout.kind == "contiguous":
-            return [torch.full((nb, L, self.layout.kv_factor, bs, H, D), POISON, dtype=dt)]
+            return [torch.full((nb, L, self.layout.kv_factor, bs, H, D), POISON, dtype=dt, device=self.device)]
         if self.layout.kind == "trtllm":
-            return [torch.full((nb, L, self.layout.kv_factor, H * bs * D), POISON, dtype=dt)]
+            return [torch.full((nb, L, self.layout.kv_factor, H * bs * D), POISON, dtype=dt, device=self.device)]
         raise ValueError(f"FakeKv needs a layout with tensors, not {self.layout.kind!r}")
 
     def share(self, memfd: bool = False) -> list[pb.RegisterKvCachesRequest]:
@@ -76,12 +77,12 @@ class FakeKv:
         head = torch.arange(H).view(1, 1, 1, H, 1)
         dim = torch.arange(D).view(1, 1, 1, 1, D)
         v = (tok * 31 + pos * 7 + layer * 13 + kv * 5 + head * 3 + dim + rank * 11) % 251
-        return (v.to(torch.float32) / 8).to(self.dtype)  # multiples of 1/8 below 32: exact in fp16
+        return (v.to(torch.float32) / 8).to(self.dtype).to(self.device)  # multiples of 1/8 below 32: exact in fp16
 
     def _index(self, table: list[int], positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         bs = self.layout.block_size
-        blk = torch.tensor([table[p // bs] for p in positions], dtype=torch.int64)
-        off = torch.tensor([p % bs for p in positions], dtype=torch.int64)
+        blk = torch.tensor([table[p // bs] for p in positions], dtype=torch.int64, device=self.device)
+        off = torch.tensor([p % bs for p in positions], dtype=torch.int64, device=self.device)
         return blk, off
 
     def write(self, table: list[int], tokens: list[int], positions: range) -> None:
@@ -142,7 +143,7 @@ class FakeKv:
     def poison(self, blocks: list[int]) -> None:
         if not blocks:
             return
-        idx = torch.tensor(blocks, dtype=torch.int64)
+        idx = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         for tensors in self.ranks:
             for l, t in enumerate(tensors):
                 if self.layout.kind == "vllm_cpu":

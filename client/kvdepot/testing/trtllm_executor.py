@@ -178,11 +178,11 @@ class StandInExecutor:
         worker_class: str = "KvDepotWorker",
         chunk_size: int = 0,
         max_batch: int = 8,
-        memfd: bool = False,
+        device: str = "cpu",
     ) -> None:
         assert layout.kind == "trtllm" and layout.block_size == llm_args.kv_cache_config.tokens_per_block
         self.layout, self.bs, self.world = layout, layout.block_size, layout.world_size
-        self.kv = FakeKv(layout, num_blocks)
+        self.kv = FakeKv(layout, num_blocks, device)
         self.blocks = _Blocks(num_blocks, self.bs)
         self.chunk_size = chunk_size
         self.max_batch = max_batch

@@ -129,6 +129,7 @@ class SchedulerSide:
             self.to_preempt.append(rid)  # the daemon lets go of the old blocks before the new row
         st.L, st.E, st.is_async, st.table, st.announced = L, E, is_async, list(block_ids), False
         st.tokens = request.get_tokens(0)
+        self._check_table(st)
         st.sent_blocks = st.sent_end = 0
         if is_async:
             self.async_starts.append(rid)
@@ -153,12 +154,11 @@ class SchedulerSide:
             st = self.reqs.get(str(rd.request_id))
             if st is None:
                 continue
-            st.tokens = list(rd.new_tokens)
+            st.tokens, st.table = list(rd.new_tokens), list(rd.new_block_ids)
+            self._check_table(st)
             if st.announced and st.is_async and st.epoch == epoch:  # emitted after its async load: it continues
-                st.table = list(rd.new_block_ids)
                 self._cached(batch, st, rd.computed_position, rd.num_scheduled_tokens, force=True)
                 continue
-            st.table = list(rd.new_block_ids)
             self._new(batch, st, rd.computed_position, rd.num_scheduled_tokens)
             if st.E and not st.is_async and st.announced:
                 loads.append(st)
@@ -168,6 +168,8 @@ class SchedulerSide:
                 continue
             st.tokens += rd.new_tokens
             st.table += rd.new_block_ids
+            if rd.new_block_ids:
+                self._check_table(st)
             if st.epoch == epoch and st.announced:
                 self._cached(batch, st, rd.computed_position, rd.num_scheduled_tokens)
         if not self.client.engine_id:  # not registered (yet): the daemon knows none of this
@@ -177,6 +179,14 @@ class SchedulerSide:
         result = self.client.step(batch)
         meta.step = result.step if any(op.kind == "store" for op in result.ops) else 0
         self._take_result(batch, result, loads, meta)
+
+    @staticmethod
+    def _check_table(st: ReqState) -> None:
+        """A block without a page (-1, BAD_PAGE_INDEX: a sliding window has passed it) holds no KV
+        to load or store: such a request stays with the engine alone."""
+        if not st.lost and st.table and min(st.table) < 0:
+            log.info("kvdepot: request %s has blocks without a page (sliding window): not offloaded", st.request.request_id)
+            st.lost = True
 
     def _preempt(self, meta: TrtllmMeta) -> None:
         """Re-admitted requests: the daemon ends what it planned on their old blocks, and every

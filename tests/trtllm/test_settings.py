@@ -1,0 +1,87 @@
+"""The TensorRT-LLM connector's settings, key and layout, without a daemon."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvdepot.trtllm.common import check_args, engine_key, layout_of, settings
+from kvdepot.testing.trtllm import KvCacheConfig, TorchLlmArgs
+
+
+def args(**kw: object) -> TorchLlmArgs:
+    return TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=16), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("KVDEPOT_ADDRESS", "KVDEPOT_NAMESPACE", "KVDEPOT_LOAD_ASYNC", "KVDEPOT_CONNECTOR_CONFIG", "KVDEPOT_TOKEN", "KVDEPOT_TOKEN_FILE", "KVDEPOT_ENGINE_KEY", "PMIX_NAMESPACE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_settings_from_variables_and_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    f = tmp_path / "kvdepot.toml"
+    f.write_text('address = "unix:/run/kvdepot/kvdepotd.sock"\nnamespace = "team-a"\nlookup_timeout_ms = 20\n')
+    monkeypatch.setenv("KVDEPOT_CONNECTOR_CONFIG", str(f))
+    monkeypatch.setenv("KVDEPOT_NAMESPACE", "team-b")  # a variable wins over the file
+    monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", "true")
+    cfg = settings(args())
+    assert (cfg.address, cfg.namespace, cfg.lookup_timeout_ms, cfg.load_async, cfg.engine_name) == ("unix:/run/kvdepot/kvdepotd.sock", "team-b", 20, True, "trtllm")
+    j = tmp_path / "kvdepot.json"
+    j.write_text(json.dumps({"step_timeout_ms": 250}))
+    monkeypatch.setenv("KVDEPOT_CONNECTOR_CONFIG", str(j))
+    assert settings(args()).step_timeout_ms == 250
+
+
+def test_settings_refuse_what_is_wrong(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps({"adress": "x"}))
+    monkeypatch.setenv("KVDEPOT_CONNECTOR_CONFIG", str(f))
+    with pytest.raises(ValueError, match="unknown .* keys \\['adress'\\]"):
+        settings(args())
+    monkeypatch.setenv("KVDEPOT_CONNECTOR_CONFIG", str(tmp_path / "missing.toml"))
+    with pytest.raises(ValueError, match="missing.toml"):
+        settings(args())
+    monkeypatch.delenv("KVDEPOT_CONNECTOR_CONFIG")
+    monkeypatch.setenv("KVDEPOT_LOOKUP_TIMEOUT_MS", "soon")
+    with pytest.raises(ValueError, match="lookup_timeout_ms must be a number"):
+        settings(args())
+    monkeypatch.delenv("KVDEPOT_LOOKUP_TIMEOUT_MS")
+    monkeypatch.setenv("KVDEPOT_LATE_LOAD_CHECKS", "true")
+    with pytest.raises(ValueError, match="late_load_checks cannot be on"):
+        settings(args())
+
+
+def test_server_url_of_newer_releases_is_the_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = args(kv_connector_config=SimpleNamespace(server_url="127.0.0.1:6000"))
+    assert settings(a).address == "127.0.0.1:6000"
+    monkeypatch.setenv("KVDEPOT_ADDRESS", "unix:/run/k.sock")
+    assert settings(a).address == "unix:/run/k.sock"
+
+
+def test_engine_key_is_shared_by_the_ranks_of_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    alone = engine_key(args())
+    assert alone.startswith("trtllm:") and ":pid" in alone and alone.endswith(":m")
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-host-1234@1")
+    assert "prterun-host-1234@1" in engine_key(args())
+    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "mine")
+    assert ":mine:" in engine_key(args())
+
+
+def test_layout_from_the_pool() -> None:
+    lay = layout_of(torch.empty(10, 4, 2, 8 * 16 * 64, dtype=torch.bfloat16), args())
+    assert (lay.num_layers, lay.num_kv_heads, lay.head_size, lay.kv_factor, lay.block_size, lay.kind) == (4, 1, 512, 2, 16, "trtllm")
+    assert lay.layout_class == "L4xH1xD512xbfloat16xB16xW1-trtllm"
+    mla = layout_of(torch.empty(10, 4, 1, 576 * 16, dtype=torch.float16), args(tensor_parallel_size=2))
+    assert mla.kv_factor == 1 and mla.world_size == 2 and mla.layout_class.endswith("W2xK1-trtllm")
+    with pytest.raises(ValueError, match="not a multiple of tokens_per_block"):
+        layout_of(torch.empty(10, 4, 2, 100, dtype=torch.float16), args())
+    with pytest.raises(ValueError, match="shape"):
+        layout_of(torch.empty(10, 4, 2, 16, 8, dtype=torch.float16), args())
+    assert check_args(args(pipeline_parallel_size=2)).startswith("pipeline parallelism")
+    assert check_args(args(max_beam_width=2)) == "beam width must be 1"
+    assert check_args(args()) == ""
