@@ -145,6 +145,21 @@ def test_inconsistent_counts(c: DepotClient) -> None:
         expect(c, err, words, step_with(c, fill))
 
 
+def test_new_row_must_carry_the_requests_whole_sequence(c: DepotClient) -> None:
+    """A new row for a request the daemon holds (resumed, or emitted again after an async load)
+    carries its whole sequence: another one is refused and changes nothing (it would have been
+    appended: a 40-token request holding 80)."""
+    live = [s.request_id for s in c.slots()]
+    assert live == ["live"]
+    held = c.slot("live").summary.tokens
+    other = list(range(7, 47))
+    expect(c, InvalidRequest, "request live: a new update carries the request's whole token sequence, and token 0 differs",
+           step_with(c, lambda b: b.new("live", other, [0, 1, 2], computed=0, scheduled=40)))
+    expect(c, InvalidRequest, "request live: a new update carries the request's whole token sequence; 39 tokens is fewer than the 40",
+           step_with(c, lambda b: b.new("live", other[:39], [0, 1, 2], computed=0, scheduled=39)))
+    assert held == 40 and c.slot("live").summary.tokens == held
+
+
 def test_lookup_without_tokens(c: DepotClient) -> None:
     expect(c, InvalidRequest, "request r: no tokens", lambda: c._admin("Lookup", pb.LookupRequest(engine_id=c.engine_id, request_id="r")))
 

@@ -243,3 +243,23 @@ def test_daemon_killed_during_a_load(monkeypatch: pytest.MonkeyPatch, make: Make
         assert ex.bad_kv[b.request_id] == []
     finally:
         d.stop(signal.SIGKILL)
+
+
+def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> None:
+    """request_finished says True while the daemon still copies out of the request's blocks: they
+    stay allocated until every rank returns the request as saved, which is after the stores."""
+    d = DaemonProcess(args=["--host-gib", "0.25", "--fault-store-delay-ms", "400"]).start()
+    try:
+        ex = make(address=d.tcp)
+        r = ex.add(prompt(100), 1)
+        saving_steps = 0
+        while r.request_id not in ex.done:
+            ex.step()
+            if r.state is LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS:
+                saving_steps += 1
+                assert r.request_id in ex.tables  # not freed
+            time.sleep(0.01)
+        assert counters(ex)["stored_blocks"] == 6  # freed only once the stores had ended (they take 400 ms)
+        assert saving_steps > 5
+    finally:
+        d.stop()

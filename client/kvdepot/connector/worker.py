@@ -22,7 +22,6 @@ from kvdepot.handoff import handoff_path
 from kvdepot.layout import KvLayout
 from kvdepot.messages import LoadCopied, OpCompleted, RequestReleased
 
-log = logging.getLogger("kvdepot.connector")
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
 
 
@@ -47,6 +46,7 @@ class StepMeta(Protocol):
 
 
 def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str, style: str = "vllm") -> DepotClient | None:
+    log = logging.getLogger(f"kvdepot.{style}")  # each engine's connector logs under its own name
     client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls(), token=cfg.token)
     try:
         engine_id = client.register_engine(
@@ -63,12 +63,14 @@ def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: 
 
 
 class WorkerSide:
+    on_failed_load = ""  # what the engine does about blocks that did not load, for the log line
     def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str, style: str = "vllm") -> None:
         self.cfg = cfg
         self.layout = layout
         self.model = model
         self.key = key
         self.style = style
+        self.log = logging.getLogger(f"kvdepot.{style}")
         self.rank = 0
         self.client: DepotClient | None = None
         self.link: WorkerLink | None = None
@@ -104,7 +106,7 @@ class WorkerSide:
             else:
                 req, self.paths = handles.share_cpu_tensors(tensors, num_blocks, names)
         except Exception as e:  # e.g. no room for the memory: the engine serves on, every load it is planned fails and is recomputed
-            log.error("kvdepot: worker %d: cannot share the KV cache with the daemon (%s); loads and stores stay off", self.rank, e)
+            self.log.error("kvdepot: worker %d: cannot share the KV cache with the daemon (%s); loads and stores stay off", self.rank, e)
             return
         self.kv_request = req
         self.attach()
@@ -119,7 +121,7 @@ class WorkerSide:
             return
         self.link = self.client.worker(self.rank)
         if not self.link.register_kv_caches(self.kv_request, self.fds) and self.client.engine_id:
-            log.error("kvdepot: worker %d: the daemon refused the KV caches; loads and stores stay off", self.rank)
+            self.log.error("kvdepot: worker %d: the daemon refused the KV caches; loads and stores stay off", self.rank)
 
     # events ---------------------------------------------------------------------------------------
     def _absorb(self) -> None:
@@ -166,7 +168,7 @@ class WorkerSide:
                 ok.update(set(blocks) - set(ev.failed_block_ids))
         failed = [b for b in job.targets if b not in ok]
         if failed:
-            log.info("kvdepot: request %s: %d of %d blocks not loaded", job.request_id, len(failed), len(job.targets))
+            self.log.info("kvdepot: request %s: %d of %d blocks not loaded%s", job.request_id, len(failed), len(job.targets), self.on_failed_load)
             self.load_errors.update(failed)
         return failed
 

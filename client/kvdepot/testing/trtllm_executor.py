@@ -334,6 +334,7 @@ class StandInExecutor:
         self.blocks.release(self.tables.pop(r.request_id), tokens, len(tokens) - 1)
         self.output.reset_request(r.request_id)
         self.active.remove(r)
+        r.state = LlmRequestState.GENERATION_COMPLETE
         self.done[r.request_id] = r
 
     def _get_finished(self) -> None:

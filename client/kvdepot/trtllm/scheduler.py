@@ -127,6 +127,7 @@ class SchedulerSide:
             st = self.reqs[rid] = ReqState(request)
         elif st.restart:
             self.to_preempt.append(rid)  # the daemon lets go of the old blocks before the new row
+        st.request = request  # the engine's object of this admission (rewind moves its position)
         st.L, st.E, st.is_async, st.table, st.announced = L, E, is_async, list(block_ids), False
         st.tokens = request.get_tokens(0)
         self._check_table(st)

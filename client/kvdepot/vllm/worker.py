@@ -10,6 +10,7 @@ from kvdepot.vllm.common import KvDepotWorkerMetadata
 
 
 class VllmWorkerSide(WorkerSide):
+    on_failed_load = "; vLLM recomputes them"
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.layout is None or not kv_caches:
             return
