@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvdepot.testing import DaemonProcess
+from kvdepot.testing import DaemonProcess, free_port
 from kvdepot.testing.trtllm import LlmRequestState
 from kvdepot.testing.trtllm_executor import StandInExecutor
 from tests.trtllm.conftest import BS, Make, counters, generated, prompt
@@ -263,3 +263,33 @@ def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> N
         assert saving_steps > 5
     finally:
         d.stop()
+
+
+def test_an_engine_the_connector_cannot_serve_runs_without_it(monkeypatch: pytest.MonkeyPatch, daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """Pipeline parallelism (which TensorRT-LLM refuses for connectors anyway), or no daemon at the
+    address: the connector says why once and the engine computes everything itself."""
+    from kvdepot.testing.trtllm import KvCacheConfig, TorchLlmArgs
+    from tests.trtllm.conftest import layout
+
+    monkeypatch.setenv("KVDEPOT_ADDRESS", daemon.tcp)
+    with caplog.at_level(logging.ERROR, logger="kvdepot.trtllm"):
+        ex = StandInExecutor(layout(), 64, TorchLlmArgs(model="pp-model", kv_cache_config=KvCacheConfig(tokens_per_block=BS), pipeline_parallel_size=2))
+        try:
+            r = ex.add(prompt(100))
+            ex.run()
+            assert ex.bad_kv[r.request_id] == [] and ex.scheduler.side.client is None
+        finally:
+            ex.close()
+    assert caplog.text.count("pipeline parallelism is not supported") == 2  # the scheduler and the worker
+    monkeypatch.setenv("KVDEPOT_ADDRESS", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "no-daemon")
+    t0 = time.monotonic()
+    ex = StandInExecutor(layout(), 64, TorchLlmArgs(model="nobody", kv_cache_config=KvCacheConfig(tokens_per_block=BS)))
+    try:
+        for _ in range(3):
+            r = ex.add(prompt(100))
+            ex.run()
+            assert ex.bad_kv[r.request_id] == [] and ex.matched[r.request_id] == (0 if r.request_id == 1 else 96, 0, False)
+    finally:
+        ex.close()
+    assert time.monotonic() - t0 < 10

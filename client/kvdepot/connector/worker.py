@@ -64,6 +64,7 @@ def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: 
 
 class WorkerSide:
     on_failed_load = ""  # what the engine does about blocks that did not load, for the log line
+
     def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str, style: str = "vllm") -> None:
         self.cfg = cfg
         self.layout = layout
@@ -84,7 +85,7 @@ class WorkerSide:
         self.load_errors: set[int] = set()
         self.seen_finished: set[str] = set()
         self.holding: dict[str, float] = {}  # delayed request -> give up waiting for its release at
-        self.ready: set[str] = set()  # may be reported finished sending once vLLM said it finished
+        self.ready: set[str] = set()  # may be reported finished sending once the engine said it finished
         self.new_completed: set[int] = set()
         self.paths: list[str] = []
         self.kv_request: Any = None  # the registration of the shared tensors (pb.RegisterKvCachesRequest)

@@ -24,9 +24,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         if why := check_args(llm_args):
             log.error("kvdepot: connector disabled: %s", why)
         tpb = int(llm_args.kv_cache_config.tokens_per_block)
-        self.side = SchedulerSide(settings(llm_args), model_of(llm_args), engine_key(llm_args), tpb)
-        if why:
-            self.side.key = ""  # never connects
+        self.side = SchedulerSide(settings(llm_args), model_of(llm_args), engine_key(llm_args), tpb, enabled=not why)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self.side.matched(request, num_computed_tokens)

@@ -49,8 +49,9 @@ class ReqState:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, model: str, key: str, block_size: int) -> None:
+    def __init__(self, cfg: ConnectorConfig, model: str, key: str, block_size: int, enabled: bool = True) -> None:
         self.cfg = cfg
+        self.off = not enabled  # the engine is outside what kvdepot serves, or the daemon refused it
         self.model = model
         self.key = key
         self.bs = block_size
@@ -67,8 +68,8 @@ class SchedulerSide:
 
     def _ready(self) -> bool:
         """Connected: the daemon is asked only once rank 0's worker has shared the pool's layout."""
-        if self.client is not None:
-            return True
+        if self.client is not None or self.off:
+            return self.client is not None
         layout = Rendezvous.layout(self.key)
         if layout is None:
             if time.monotonic() - self._waiting_since > 60:
@@ -76,9 +77,8 @@ class SchedulerSide:
                 self._waiting_since = time.monotonic()
             return False
         self.client = connect(self.cfg, layout, self.model, self.key, self.cfg.engine_name, STYLE)
-        if self.client is None:
-            Rendezvous.publish(self.key, layout)  # refused: connect() said why; stay off
-        return self.client is not None
+        self.off = self.client is None  # refused: connect() said why
+        return not self.off
 
     @staticmethod
     def _usable(request: Any) -> bool:
