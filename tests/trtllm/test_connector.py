@@ -158,10 +158,14 @@ def test_preemption_and_readmission(make: Make) -> None:
     ex.run()
     ex.reset_prefix_cache()
     ex.scheduler.side.client.clear()  # type: ignore[union-attr]
+    stored = counters(ex)["stored_blocks"]
     r = ex.add(p, 8)
     while len(r.get_tokens(0)) < 103:  # context done, two tokens generated
         ex.step()
-    ex.step()
+    end = time.monotonic() + 10
+    while counters(ex)["stored_blocks"] < stored + 6:  # its first run's blocks are in the daemon
+        assert time.monotonic() < end
+        time.sleep(0.01)
     ex.reset_prefix_cache()
     ex.preempt(r)
     ex.run()
@@ -234,7 +238,16 @@ def test_daemon_killed_during_a_load(monkeypatch: pytest.MonkeyPatch, make: Make
         ex.reset_prefix_cache()
         b = ex.add(prompt(100))
         assert d.proc is not None
-        threading.Timer(0.5, d.proc.send_signal, (signal.SIGKILL,)).start()  # while the load waits in the daemon
+        proc = d.proc
+
+        def kill_once_admitted() -> None:  # while the load waits in the daemon (3 s)
+            end = time.monotonic() + 10
+            while b.request_id not in ex.matched and time.monotonic() < end:
+                time.sleep(0.01)
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGKILL)
+
+        threading.Thread(target=kill_once_admitted, daemon=True).start()
         t0 = time.monotonic()
         ex.run(timeout_s=15)
         assert ex.matched[b.request_id][1] == 96
@@ -260,7 +273,7 @@ def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> N
                 assert r.request_id in ex.tables  # not freed
             time.sleep(0.01)
         assert counters(ex)["stored_blocks"] == 6  # freed only once the stores had ended (they take 400 ms)
-        assert saving_steps > 5
+        assert saving_steps > 2
     finally:
         d.stop()
 

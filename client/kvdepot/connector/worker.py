@@ -20,7 +20,7 @@ from kvdepot.connector.config import ConnectorConfig
 from kvdepot.errors import DepotError
 from kvdepot.handoff import handoff_path
 from kvdepot.layout import KvLayout
-from kvdepot.messages import LoadCopied, OpCompleted, RequestReleased
+from kvdepot.messages import LoadCopied, OpCompleted, OpInfo, RequestReleased
 
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
 
@@ -35,6 +35,29 @@ class LoadJob:
     ops: dict[int, tuple[int, ...]]  # op id -> engine block ids
     deadline_ms: int  # unix ms after which no op of this job can still write (daemon deadline)
     is_async: bool
+
+
+def load_jobs(ops: Sequence[OpInfo], promised: Sequence[tuple[str, list[int], bool]]) -> list[LoadJob]:
+    """The step's LoadJobs: for each request promised a load (its id, target blocks, async), the
+    daemon's load ops for it; none when the daemon refused or did not answer (every target fails)."""
+    by_req: dict[str, dict[int, tuple[int, ...]]] = collections.defaultdict(dict)
+    deadline: dict[str, int] = {}
+    for op in ops:
+        if op.kind == "load":
+            by_req[op.request_id][op.op_id] = op.block_ids
+            deadline[op.request_id] = max(deadline.get(op.request_id, 0), op.deadline_ms)
+    return [LoadJob(rid, targets, by_req.get(rid, {}), deadline.get(rid, 0), is_async) for rid, targets, is_async in promised]
+
+
+def disconnect(client: DepotClient | None) -> None:
+    """Unregisters (the daemon lets go of the engine's slots and pins at once) and closes."""
+    if client is None:
+        return
+    try:
+        client.unregister()
+    except DepotError:
+        pass
+    client.close()
 
 
 class StepMeta(Protocol):

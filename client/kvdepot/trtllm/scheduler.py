@@ -22,8 +22,7 @@ from typing import Any
 
 from kvdepot.client import DepotClient
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.worker import LoadJob, connect
-from kvdepot.errors import DepotError
+from kvdepot.connector.worker import connect, disconnect, load_jobs
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
 from kvdepot.trtllm.common import STYLE, Rendezvous, TrtllmMeta
 
@@ -245,19 +244,10 @@ class SchedulerSide:
             if rid in self.delayed:
                 self.delayed.discard(rid)
                 meta.finished[rid] = result.degraded or rid in result.delay_free
-        by_req: dict[str, dict[int, tuple[int, ...]]] = collections.defaultdict(dict)
-        deadline: dict[str, int] = {}
         for op in result.ops:
             if (st := self.reqs.get(op.request_id)) is not None:
                 st.ops[op.op_id] = op.deadline_ms
-            if op.kind == "load":
-                by_req[op.request_id][op.op_id] = op.block_ids
-                deadline[op.request_id] = max(deadline.get(op.request_id, 0), op.deadline_ms)
-        for st in loads:
-            rid = str(st.request.request_id)
-            first, end = st.L // self.bs, (st.L + st.E) // self.bs
-            # No op for a promised load (the daemon refused or did not answer): every target fails.
-            meta.loads.append(LoadJob(rid, st.table[first:end], by_req.get(rid, {}), deadline.get(rid, 0), st.is_async))
+        meta.loads += load_jobs(result.ops, [(str(st.request.request_id), st.table[st.L // self.bs : (st.L + st.E) // self.bs], st.is_async) for st in loads])
 
     def rewind(self, request_id: str, failed_blocks: list[int], world_size: int) -> bool:
         """Blocks of a load that did not arrive intact: with one rank, the request's
@@ -299,9 +289,4 @@ class SchedulerSide:
         return False
 
     def close(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.unregister()
-            except DepotError:
-                pass
-            self.client.close()
+        disconnect(self.client)

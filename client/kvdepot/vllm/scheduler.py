@@ -10,11 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from kvdepot.errors import DepotError
 from kvdepot.layout import KvLayout
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.worker import LoadJob, connect
+from kvdepot.connector.worker import connect, disconnect, load_jobs
 from kvdepot.vllm.common import KvDepotMetadata
 
 if TYPE_CHECKING:
@@ -204,20 +203,12 @@ class SchedulerSide:
             if rid in self.delayed:
                 self.delayed.discard(rid)
                 meta.finished[rid] = result.degraded or rid in result.delay_free
-        by_req: dict[str, dict[int, tuple[int, ...]]] = collections.defaultdict(dict)
-        deadline: dict[str, int] = {}
         for op in result.ops:
             st = self.reqs.get(op.request_id)
             if st is not None:
                 st.open_ops[op.op_id] = op.kind
                 self.op_owner[op.op_id] = op.request_id
-            if op.kind == "load":
-                by_req[op.request_id][op.op_id] = op.block_ids
-                deadline[op.request_id] = max(deadline.get(op.request_id, 0), op.deadline_ms)
-        for st in loads:
-            first, end = st.L // self.bs, (st.L + st.E) // self.bs
-            rid = st.request.request_id
-            meta.loads.append(LoadJob(rid, st.table[first:end], by_req.get(rid, {}), deadline.get(rid, 0), st.is_async))
+        meta.loads += load_jobs(result.ops, [(st.request.request_id, st.table[st.L // self.bs : (st.L + st.E) // self.bs], st.is_async) for st in loads])
 
     def completed(self, op_ids: set[int]) -> None:
         for op_id in op_ids:
@@ -249,9 +240,4 @@ class SchedulerSide:
         return False
 
     def close(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.unregister()
-            except DepotError:
-                pass
-            self.client.close()
+        disconnect(self.client)
