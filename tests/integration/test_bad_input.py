@@ -109,6 +109,8 @@ def test_unknown_request_id(c: DepotClient) -> None:
         (dict(block_size=0), "block_size"),
         (dict(world_size=0), "world_size"),
         (dict(num_layers=1024, num_kv_heads=1024, head_size=4096), "bytes per rank"),
+        (dict(kv_factor=3), "kv_factor must be 1 (K only) or 2"),
+        (dict(kv_factor=1, kind=pb.KV_LAYOUT_KIND_VLLM_CPU), "a vllm_cpu layout holds K and V"),
     ],
 )
 def test_layouts_that_make_no_sense(c: DepotClient, layout: dict, words: str) -> None:
@@ -122,7 +124,7 @@ def test_layouts_that_make_no_sense(c: DepotClient, layout: dict, words: str) ->
         c._stub.RegisterEngine(pb.RegisterEngineRequest(model="m"), timeout=5)
     assert "layout is required" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
-        c._stub.RegisterEngine(pb.RegisterEngineRequest(layout=pb.KvLayout(**{**base, **dict(num_layers=1, num_kv_heads=1, head_size=1, dtype="float16", block_size=1, world_size=1)})), timeout=5)
+        c._stub.RegisterEngine(pb.RegisterEngineRequest(layout=pb.KvLayout(num_layers=1, num_kv_heads=1, head_size=1, dtype="float16", block_size=1, world_size=1)), timeout=5)
     assert "model" in info.value.details()
 
 

@@ -54,6 +54,8 @@ def test_settings_refuse_what_is_wrong(monkeypatch: pytest.MonkeyPatch, tmp_path
     monkeypatch.setenv("KVDEPOT_LATE_LOAD_CHECKS", "true")
     with pytest.raises(ValueError, match="late_load_checks cannot be on"):
         settings(args())
+    monkeypatch.setenv("KVDEPOT_LATE_LOAD_CHECKS", "auto")
+    assert settings(args()).late_load_checks == "false"
 
 
 def test_server_url_of_newer_releases_is_the_address(monkeypatch: pytest.MonkeyPatch) -> None:

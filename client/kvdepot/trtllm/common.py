@@ -4,6 +4,7 @@ settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -47,7 +48,7 @@ def settings(llm_args: Any) -> ConnectorConfig:
     cfg = config.from_env(os.environ, **defaults)
     if cfg.late_load_checks == "true":
         raise ValueError("kvdepot: late_load_checks cannot be on with TensorRT-LLM: it has no way to hear that a checked load failed")
-    return cfg
+    return dataclasses.replace(cfg, late_load_checks="false")  # "auto" too
 
 
 def engine_key(llm_args: Any) -> str:
