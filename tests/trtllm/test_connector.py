@@ -221,6 +221,7 @@ def test_corrupted_block_is_recomputed(monkeypatch: pytest.MonkeyPatch, make: Ma
         assert ex.workers[0].side.load_failures == 2
         c = counters(ex)
         assert c["checksum_failures"] == 2 and c["load_failed_blocks"] == 2
+        assert c["stored_blocks"] == 6 + 2, c  # the two it computed again are stored again
     finally:
         d.stop()
 
