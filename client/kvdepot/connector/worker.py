@@ -64,7 +64,6 @@ class StepMeta(Protocol):
     """What the worker side reads from an engine's per-step metadata."""
 
     loads: list[LoadJob]
-    finished: dict[str, bool]  # delayed request -> the daemon still holds it
     preempted_ops: dict[str, list[int]]  # ops that may still touch blocks the engine takes back
 
 
@@ -234,11 +233,13 @@ class WorkerSide:
             event.record(stream)
         self.link.forward_done(step, event)
 
-    def finished(self, finished_req_ids: set[str], meta: StepMeta | None) -> tuple[set[str] | None, set[str] | None]:
+    def finished(self, finished_req_ids: set[str], held: dict[str, bool] | None) -> tuple[set[str] | None, set[str] | None]:
+        """(requests that may be reported finished sending, async loads that ended). `held`: the
+        step's delayed requests -> whether the daemon still holds them (it says when it lets go)."""
         self._absorb()
         self.seen_finished |= finished_req_ids
-        if meta is not None:
-            for rid, holds in meta.finished.items():
+        if held is not None:
+            for rid, holds in held.items():
                 if holds:
                     self.holding[rid] = time.monotonic() + self.cfg.release_timeout_s
                 else:

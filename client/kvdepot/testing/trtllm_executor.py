@@ -11,7 +11,7 @@ without TensorRT-LLM. It drives the connector exactly as TensorRT-LLM does
       async) ((0, True) raises), blocks for the whole prompt, context_current_position = L + E,
       update_state_after_alloc(request, block_ids); an async request is parked
       (DISAGG_GENERATION_TRANS_IN_PROGRESS) until get_finished returns it on every rank;
-    * each iteration: the scheduler output (KvCacheConnectorSchedulerOutputManager's rules: a
+    * each iteration that schedules a request (an idle one only calls get_finished): the scheduler output (KvCacheConnectorSchedulerOutputManager's rules: a
       context request is new the first time it is emitted, with its whole prompt and every block,
       later emissions are deltas; a synchronous load's tokens are subtracted from a new request's
       computed_position; generation requests are cached with computed_position = len - 1 and 1
@@ -245,7 +245,7 @@ class StandInExecutor:
     def step(self) -> bool:
         """One executor iteration; False when nothing could be computed."""
         self.iterations += 1
-        self._admit()
+        parked_now = self._admit()
         context = [r for r in self.active if r.state is LlmRequestState.CONTEXT_INIT]
         for r in context:  # the scheduler fixes each context request's chunk for this step
             r.context_chunk_size = min(r.context_remaining_length, self.chunk_size or r.context_remaining_length)
@@ -253,26 +253,30 @@ class StandInExecutor:
         for r in generation:
             if len(r.get_tokens(0)) > len(self.tables[r.request_id]) * self.bs:
                 self.tables[r.request_id] += self.blocks.take([], 1)
-        so = self.output.build(context, generation, set(self.new_async.loading), self.tables)
-        meta = self.scheduler.build_connector_meta(so)
-        wire = pickle.dumps(meta)
-        for rank, w in enumerate(self.workers):
-            api.set_rank(rank)
-            w.bind_connector_meta(pickle.loads(wire))
         computed = bool(context or generation)
-        for rank, w in enumerate(self.workers):
-            api.set_rank(rank)
-            w.start_load_kv(None)
-        self._forward(context, generation)
-        for rank, w in enumerate(self.workers):
-            api.set_rank(rank)
-            w.wait_for_save(None)
-        api.set_rank(0)
-        self._update(context, generation)
+        if computed or parked_now:  # an idle iteration prepares no batch: no metadata, no forward
+            so = self.output.build(context, generation, set(self.new_async.loading), self.tables)
+            meta = self.scheduler.build_connector_meta(so)
+            wire = pickle.dumps(meta)
+            for rank, w in enumerate(self.workers):
+                api.set_rank(rank)
+                w.bind_connector_meta(pickle.loads(wire))
+            for rank, w in enumerate(self.workers):
+                api.set_rank(rank)
+                w.start_load_kv(None)
+            self._forward(context, generation)
+            for rank, w in enumerate(self.workers):
+                api.set_rank(rank)
+                w.wait_for_save(None)
+            api.set_rank(0)
+            self._update(context, generation)
         self._get_finished()
         return computed
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
+        """Admits waiting requests; True when one was parked for an async load (it was scheduled
+        in this iteration before TensorRT-LLM took it out of the batch)."""
+        parked = False
         while self.waiting and len(self.active) < self.max_batch:
             req = self.waiting.popleft()
             tokens = req.get_tokens(0)
@@ -290,7 +294,9 @@ class StandInExecutor:
             self.scheduler.update_state_after_alloc(req, list(table))
             self.matched[req.request_id] = (L, E, is_async)
             req.state = PARKED if is_async else LlmRequestState.CONTEXT_INIT
+            parked |= is_async
             self.active.append(req)
+        return parked
 
     def _forward(self, context: list[LlmRequest], generation: list[LlmRequest]) -> None:
         for layer in range(self.layout.num_layers):

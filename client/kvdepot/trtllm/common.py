@@ -33,7 +33,9 @@ class TrtllmMeta:
     engine_key: str = ""  # the engine's key at the daemon: a worker registered under another one joins this
     step: int = 0  # the client's step number when stores wait on this step's forward (else 0)
     loads: list[LoadJob] = field(default_factory=list)
-    finished: dict[str, bool] = field(default_factory=dict)  # delayed request -> the daemon still holds it
+    ops: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # request -> (op id, deadline ms) planned this step
+    held: dict[str, bool] = field(default_factory=dict)  # request whose ops are unknown (a Step went unanswered) -> True
+    forget: list[str] = field(default_factory=list)  # finished with no op running: the workers drop what they kept
     preempted_ops: dict[str, list[int]] = field(default_factory=dict)  # ops of a re-admitted request's old blocks
 
 

@@ -44,7 +44,8 @@ class ReqState:
     sent_blocks: int = 0
     sent_end: int = 0  # computed + scheduled of the last update sent (the daemon's terms)
     ops: dict[int, int] = field(default_factory=dict)  # op id -> deadline (unix ms): may still touch its blocks
-    lost: bool = False  # a Step carrying its update went unanswered: no more updates
+    lost: bool = False  # no more updates (a Step carrying one went unanswered, or blocks without pages)
+    unknown: bool = False  # a Step carrying its update went unanswered: what the daemon planned is unknown
 
 
 class SchedulerSide:
@@ -60,7 +61,7 @@ class SchedulerSide:
         self.async_starts: list[str] = []
         self.to_finish: list[str] = []
         self.to_preempt: list[str] = []
-        self.delayed: set[str] = set()
+        self.to_forget: list[str] = []
         self.admissions: collections.deque[tuple[str, int, int, int]] = collections.deque(maxlen=1024)  # (rid, L, E, C) sent
         self._waiting_since = time.monotonic()
         Rendezvous.scheduler(key, self)
@@ -217,12 +218,13 @@ class SchedulerSide:
             st.epoch, st.sent_tokens = self.client.epoch, 0
         if st.lost:
             return
-        upto = min(len(st.tokens), max(C + S, st.L + st.E))
+        # The daemon's terms: a synchronous load's tokens are computed (TensorRT-LLM leaves them out).
+        end = (st.L + st.E if C == st.L and st.E else C) + S
+        # A new update carries the whole sequence the daemon holds, and what this step computes.
+        upto = min(len(st.tokens), max(end, st.L + st.E, st.sent_tokens))
         salt, lora = self._names(st.request)
         L = min(st.L, C)
         batch.new(str(st.request.request_id), st.tokens[:upto], st.table, computed=C, scheduled=S, device_matched=L, loaded=st.E, cache_salt=salt, lora_name=lora)
-        # The daemon's terms: a synchronous load's tokens are computed (TensorRT-LLM leaves them out).
-        end = (st.L + st.E if C == st.L and st.E else C) + S
         st.sent_tokens, st.sent_blocks, st.sent_end, st.announced = upto, len(st.table), end, True
         self.admissions.append((str(st.request.request_id), L, st.E, C))
         log.debug("kvdepot: request %s admitted: L=%d E=%d computed=%d scheduled=%d", st.request.request_id, L, st.E, C, S)
@@ -239,14 +241,13 @@ class SchedulerSide:
         if result.degraded and len(batch):
             for rid in batch.request_ids:  # applied or not, unknown: no more updates (see kvdepot.vllm)
                 if (st := self.reqs.get(rid)) is not None:
-                    st.lost = True
-        for rid in batch.finished:
-            if rid in self.delayed:
-                self.delayed.discard(rid)
-                meta.finished[rid] = result.degraded or rid in result.delay_free
+                    st.lost = st.unknown = True
+                    meta.held[rid] = True  # the workers wait for the daemon's release of it, not for ops
+        meta.forget, self.to_forget = self.to_forget, []
         for op in result.ops:
             if (st := self.reqs.get(op.request_id)) is not None:
                 st.ops[op.op_id] = op.deadline_ms
+            meta.ops.setdefault(op.request_id, []).append((op.op_id, op.deadline_ms))
         meta.loads += load_jobs(result.ops, [(str(st.request.request_id), st.table[st.L // self.bs : (st.L + st.E) // self.bs], st.is_async) for st in loads])
 
     def rewind(self, request_id: str, failed_blocks: list[int], world_size: int) -> bool:
@@ -274,8 +275,10 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> bool:
         """Whether TensorRT-LLM must keep the request's blocks until the workers report it saved: an
-        op of it may still read or write them (the next Step's answer says whether the daemon still
-        holds the request; the workers report the release)."""
+        op of it may still read or write them. Every worker heard of every op of the request in the
+        metadata, and of each one's end on its stream: it returns the request once they ended, in
+        this very step if they have (no further step is needed; an idle engine builds none). A
+        request whose Step went unanswered waits for the daemon's release instead."""
         rid = str(request.request_id)
         self.guess.pop(rid, None)
         st = self.reqs.pop(rid, None)
@@ -283,9 +286,9 @@ class SchedulerSide:
             return False
         self.to_finish.append(rid)
         now = time.time() * 1000
-        if st.lost or any(deadline + 1000 > now for deadline in st.ops.values()):
-            self.delayed.add(rid)
+        if st.unknown or any(deadline + 1000 > now for deadline in st.ops.values()):
             return True
+        self.to_forget.append(rid)
         return False
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ TensorRT-LLM passed it in, and TensorRT-LLM acts on it once every rank has retur
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ class TrtllmWorkerSide(WorkerSide):
         self.fresh_meta = False  # the bound metadata's finished map is still to be read
         self.load_failures = 0  # blocks promised to TensorRT-LLM that did not arrive intact
         self.failed: dict[str, list[int]] = {}  # request -> its blocks whose load failed, not yet acted on
+        self.ops_of: dict[str, dict[int, int]] = {}  # request -> its ops (id -> deadline ms), from the metadata
 
     def register(self, pool: torch.Tensor, rank: int) -> None:
         why = check_args(self.llm_args)
@@ -44,6 +46,11 @@ class TrtllmWorkerSide(WorkerSide):
 
     def bound(self, meta: object) -> None:
         self.fresh_meta = True
+        if isinstance(meta, TrtllmMeta):
+            for rid, ops in meta.ops.items():
+                self.ops_of.setdefault(rid, {}).update(ops)
+            for rid in meta.forget:
+                self.ops_of.pop(rid, None)
         if isinstance(meta, TrtllmMeta) and meta.engine_key and meta.engine_key != self.key and self.kv_request is not None:
             log.warning(
                 "kvdepot: worker %d registered as %s, the scheduler as %s: joining the scheduler's engine "
@@ -54,6 +61,8 @@ class TrtllmWorkerSide(WorkerSide):
             self.attach()
 
     def _fail_unloaded(self, job: LoadJob) -> list[int]:
+        for op in job.ops:  # settled: ended, or past writing
+            self.ops_of.get(job.request_id, {}).pop(op, None)
         failed = super()._fail_unloaded(job)
         if failed:
             self.failed.setdefault(job.request_id, []).extend(failed)
@@ -86,13 +95,21 @@ class TrtllmWorkerSide(WorkerSide):
             self.forward_done(meta.step, stream)
 
     def finished_ids(self, meta: object, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
-        use = meta if isinstance(meta, TrtllmMeta) and self.fresh_meta else None
+        held = meta.held if isinstance(meta, TrtllmMeta) and self.fresh_meta else None
         self.fresh_meta = False
-        # TensorRT-LLM passes an id in once, in the step request_finished ran, before the Step that
-        # tells whether the daemon still holds it: every id passed in is offered until returned.
+        # TensorRT-LLM passes an id in once: it is offered until returned. A request is saved once
+        # every op of it the metadata named has ended (or can no longer write), unless its ops are
+        # unknown (held): then once the daemon released it.
         self.saving |= {str(r) for r in finished_gen_req_ids}
-        sending, recving = self.finished(set(self.saving), use)
-        self.saving -= sending or set()
+        by_daemon, recving = self.finished(set(self.saving), held)
+        sending = set(by_daemon or ())
+        rest = [rid for rid in self.saving - sending if rid not in self.holding]
+        if rest:
+            now_ms, gone = time.time() * 1000, self._gone()
+            sending |= {rid for rid in rest if gone or all(op in self.done or now_ms > deadline + 500 for op, deadline in self.ops_of.get(rid, {}).items())}
+        self.saving -= sending
+        for rid in sending:
+            self.ops_of.pop(rid, None)
         self.loading |= {str(r) for r in started_loading_req_ids}
         self._act_on_failures()  # async loads that failed: rewound before TensorRT-LLM hears they ended
         self.loaded |= recving or set()

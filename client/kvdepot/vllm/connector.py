@@ -139,7 +139,7 @@ class KvDepotConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         meta = self._connector_metadata
-        return self._worker.finished(finished_req_ids, meta if isinstance(meta, KvDepotMetadata) else None)
+        return self._worker.finished(finished_req_ids, meta.finished if isinstance(meta, KvDepotMetadata) else None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None
