@@ -35,6 +35,15 @@ def test_settings_from_variables_and_a_file(monkeypatch: pytest.MonkeyPatch, tmp
     j.write_text(json.dumps({"step_timeout_ms": 250}))
     monkeypatch.setenv("KVDEPOT_CONNECTOR_CONFIG", str(j))
     assert settings(args()).step_timeout_ms == 250
+    y = tmp_path / "kvdepot.yaml"  # the format of TensorRT-LLM's own options file
+    y.write_text("namespace: team-c\nload_async: false\nrelease_timeout_s: 10\n")
+    monkeypatch.setenv("KVDEPOT_CONNECTOR_CONFIG", str(y))
+    monkeypatch.delenv("KVDEPOT_NAMESPACE")
+    cfg = settings(args())
+    assert (cfg.namespace, cfg.load_async, cfg.release_timeout_s) == ("team-c", True, 10.0)  # KVDEPOT_LOAD_ASYNC still wins
+    y.write_text("namespace: [unclosed\n")
+    with pytest.raises(ValueError, match="kvdepot.yaml"):
+        settings(args())
 
 
 def test_settings_refuse_what_is_wrong(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

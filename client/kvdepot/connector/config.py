@@ -1,6 +1,6 @@
 """A connector's settings, checked once at start-up. vLLM takes them as `kv_connector_extra_config`
 keys; TensorRT-LLM's config refuses keys it does not know, so its connector reads the same keys
-from KVDEPOT_<KEY> environment variables and from a JSON or TOML file named by
+from KVDEPOT_<KEY> environment variables and from a YAML, TOML or JSON file named by
 $KVDEPOT_CONNECTOR_CONFIG (from_env; the variables win).
 
     address             the daemon: HOST:PORT, unix:PATH or unix:///abs/path
@@ -105,7 +105,7 @@ class ConnectorConfig:
 
 def from_env(environ: Mapping[str, str], **defaults: Any) -> ConnectorConfig:
     """The settings of a connector whose engine has no place for them (TensorRT-LLM): `defaults`,
-    then the file named by $KVDEPOT_CONNECTOR_CONFIG (JSON, or TOML by its .toml suffix), then
+    then the file named by $KVDEPOT_CONNECTOR_CONFIG (by its suffix YAML or TOML, else JSON), then
     KVDEPOT_<KEY> variables ($KVDEPOT_ADDRESS, $KVDEPOT_NAMESPACE, $KVDEPOT_LOAD_ASYNC, ...).
     Raises ValueError naming the file, variable or key that is wrong."""
     extra: dict[str, Any] = dict(defaults)
@@ -113,7 +113,7 @@ def from_env(environ: Mapping[str, str], **defaults: Any) -> ConnectorConfig:
     if path:
         try:
             with open(path, "rb") as f:
-                data = tomllib.load(f) if path.endswith(".toml") else json.load(f)
+                data = _parse(path, f.read())
         except (OSError, ValueError) as e:
             raise ValueError(f"kvdepot: KVDEPOT_CONNECTOR_CONFIG={path}: {e}") from None
         if not isinstance(data, dict):
@@ -124,6 +124,23 @@ def from_env(environ: Mapping[str, str], **defaults: Any) -> ConnectorConfig:
         if value is not None:
             extra[key] = value
     return ConnectorConfig.from_extra(extra)
+
+
+def _parse(path: str, data: bytes) -> Any:
+    """TOML (.toml), YAML (.yaml, .yml: the format TensorRT-LLM's own options file has; needs
+    PyYAML, which TensorRT-LLM installs) or JSON."""
+    if path.endswith(".toml"):
+        return tomllib.loads(data.decode())
+    if path.endswith((".yaml", ".yml")):
+        try:
+            import yaml
+        except ImportError:
+            raise ValueError("a YAML file needs PyYAML (pip install pyyaml); TOML or JSON do not") from None
+        try:
+            return yaml.safe_load(data)
+        except yaml.YAMLError as e:
+            raise ValueError(str(e)) from None
+    return json.loads(data)
 
 
 def _coerce(key: str, value: Any) -> Any:
