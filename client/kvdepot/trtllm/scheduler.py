@@ -43,7 +43,7 @@ class ReqState:
     sent_tokens: int = 0
     sent_blocks: int = 0
     sent_end: int = 0  # computed + scheduled of the last update sent (the daemon's terms)
-    ops: dict[int, int] = field(default_factory=dict)  # op id -> deadline (unix ms): may still touch its blocks
+    stores: dict[int, int] = field(default_factory=dict)  # store op id -> deadline (unix ms): may still read its blocks
     lost: bool = False  # no more updates (a Step carrying one went unanswered, or blocks without pages)
     unknown: bool = False  # a Step carrying its update went unanswered: what the daemon planned is unknown
 
@@ -202,9 +202,11 @@ class SchedulerSide:
                 continue
             if st.epoch == self.client.epoch:
                 batch.preempted.append(rid)
-            if live := [op for op, deadline in st.ops.items() if deadline + 1000 > now]:
+            # Its loads all settled before it computed (or was returned loaded); its stores may still
+            # read the old blocks, which TensorRT-LLM has freed.
+            if live := [op for op, deadline in st.stores.items() if deadline + 1000 > now]:
                 meta.preempted_ops[rid] = live
-            st.restart, st.ops = False, {}
+            st.restart, st.stores = False, {}
         if len(batch.preempted):
             self.client.step(batch)
 
@@ -245,8 +247,8 @@ class SchedulerSide:
                     meta.held[rid] = True  # the workers wait for the daemon's release of it, not for ops
         meta.forget, self.to_forget = self.to_forget, []
         for op in result.ops:
-            if (st := self.reqs.get(op.request_id)) is not None:
-                st.ops[op.op_id] = op.deadline_ms
+            if op.kind == "store" and (st := self.reqs.get(op.request_id)) is not None:
+                st.stores[op.op_id] = op.deadline_ms
             meta.ops.setdefault(op.request_id, []).append((op.op_id, op.deadline_ms))
         meta.loads += load_jobs(result.ops, [(str(st.request.request_id), st.table[st.L // self.bs : (st.L + st.E) // self.bs], st.is_async) for st in loads])
 
@@ -286,7 +288,7 @@ class SchedulerSide:
             return False
         self.to_finish.append(rid)
         now = time.time() * 1000
-        if st.unknown or any(deadline + 1000 > now for deadline in st.ops.values()):
+        if st.unknown or any(deadline + 1000 > now for deadline in st.stores.values()):
             return True
         self.to_forget.append(rid)
         return False
