@@ -209,6 +209,7 @@ class StandInExecutor:
         self.done: dict[int, LlmRequest] = {}
         self.bad_kv: dict[int, list[int]] = {}  # request -> positions whose KV was wrong after its context
         self.matched: dict[int, tuple[int, int, bool]] = {}  # request -> (L, E, async) at its last admission
+        self.parked: dict[int, int] = {}  # request -> iterations it spent left out of the batch, loading
         self.iterations = 0
         self._next_id = 1
 
@@ -246,6 +247,9 @@ class StandInExecutor:
         """One executor iteration; False when nothing could be computed."""
         self.iterations += 1
         parked_now = self._admit()
+        for r in self.active:
+            if r.state is PARKED:
+                self.parked[r.request_id] = self.parked.get(r.request_id, 0) + 1
         context = [r for r in self.active if r.state is LlmRequestState.CONTEXT_INIT]
         for r in context:  # the scheduler fixes each context request's chunk for this step
             r.context_chunk_size = min(r.context_remaining_length, self.chunk_size or r.context_remaining_length)
