@@ -1,0 +1,83 @@
+"""What the TensorRT-LLM connector costs the engine per step: its scheduler side's
+build_connector_meta for a batch of decoding requests, as TensorRT-LLM calls it every iteration
+(a real daemon process over loopback; the requests' admission and prefill are not timed).
+
+Prints one JSON line:
+  decode{N}_p50_ms / _p99_ms    build_connector_meta for N generation requests, one token each, a
+                                block completing every block_size steps (the connector sends an
+                                update only then: most steps cost no round trip)
+  decode{N}_rpc_share           the share of steps that sent a Step
+
+    python bench/trtllm_connector.py [--requests 256] [--steps 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from kvdepot.connector.config import ConnectorConfig
+from kvdepot.layout import KvLayout
+from kvdepot.testing import DaemonProcess
+from kvdepot.testing.trtllm import LlmRequest, RequestData, SchedulerOutput
+from kvdepot.trtllm.common import Rendezvous, TrtllmMeta
+from kvdepot.trtllm.scheduler import SchedulerSide
+
+BS = 16
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=512)
+    args = ap.parse_args()
+    n = args.requests
+    d = DaemonProcess(args=["--host-gib", "0.25"]).start()
+    try:
+        key = f"bench-trtllm-{os.getpid()}"
+        Rendezvous.publish(key, KvLayout(num_layers=2, num_kv_heads=1, head_size=1024, dtype="float16", block_size=BS, kind="trtllm"))
+        side = SchedulerSide(ConnectorConfig(address=d.tcp, step_timeout_ms=2000, lookup_timeout_ms=2000), "bench-model", key, BS)
+        reqs, tables, blocks = [], {}, iter(range(10**9))
+        new = SchedulerOutput()
+        for i in range(n):
+            prompt = list(range(i * 1000, i * 1000 + 100))
+            r = LlmRequest(i + 1, prompt, 10**6)
+            assert side.matched(r, 0) == (0, False)
+            tables[r.request_id] = [next(blocks) for _ in range(7)]
+            side.allocated(r, tables[r.request_id])
+            new.new_requests.append(RequestData(r.request_id, prompt, tables[r.request_id], 0, 100))
+            reqs.append(r)
+        side.build(new, TrtllmMeta())  # prefill: admission, not timed
+        assert side.client is not None
+        steps_before = side.client.stats().counters["steps"]
+        times = []
+        for _ in range(args.steps):
+            so = SchedulerOutput()
+            for r in reqs:
+                r.add_new_token(7, 0)
+                L = len(r.get_tokens(0))
+                nb = [next(blocks)] if L > len(tables[r.request_id]) * BS else []
+                tables[r.request_id] += nb
+                so.cached_requests.append(RequestData(r.request_id, [7], nb, L - 1, 1))
+            t0 = time.perf_counter()
+            side.build(so, TrtllmMeta())
+            times.append((time.perf_counter() - t0) * 1000)
+        rpcs = side.client.stats().counters["steps"] - steps_before
+        times.sort()
+        print(json.dumps({
+            "bench": "trtllm_connector", f"decode{n}_p50_ms": round(statistics.median(times), 3),
+            f"decode{n}_p99_ms": round(times[int(len(times) * 0.99) - 1], 3), f"decode{n}_rpc_share": round(rpcs / len(times), 3),
+            "steps": len(times),
+        }))
+        side.close()
+    finally:
+        d.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
