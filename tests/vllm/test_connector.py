@@ -14,7 +14,7 @@ import pytest
 from vllm import LLM
 from vllm.v1.request import RequestStatus
 
-from kvdepot import DepotClient
+from kvdepot import DepotClient, StepBatch
 from kvdepot.testing import DaemonProcess
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.vllm.scheduler import ReqState, SchedulerSide
@@ -87,6 +87,19 @@ def test_request_finished_decides_without_a_round_trip(status: RequestStatus, ki
     assert sched.finished(SimpleNamespace(request_id="r", status=status)) is delayed  # type: ignore[arg-type]
     assert ("r" in sched.delayed) is delayed
     assert sched.to_finish == ["r"]  # the daemon hears of the finish either way
+
+
+def test_a_resumed_request_resends_every_token_it_sent_before() -> None:
+    """Preempted after 1050 tokens went to the daemon, resumed with no hit and a 512-token chunk: the
+    new update still carries all 1050 (the daemon refuses a new update with fewer tokens than it
+    holds, and a refused Step is a miss for the whole batch)."""
+    sched = SchedulerSide(ConnectorConfig(), None, "model", "key")
+    sched.client = SimpleNamespace(epoch=3)  # type: ignore[assignment]
+    req = SimpleNamespace(request_id="r", all_token_ids=list(range(1050)), cache_salt=None, lora_request=None)
+    st = ReqState(request=req, epoch=3, sent_tokens=1050, table=list(range(66)))
+    b = StepBatch()
+    sched._new(b, st, 0, 512)
+    assert b.num_new_tokens == [1050]
 
 
 def test_mixed_local_64_external_32_never_stores_the_local_blocks_again(llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:

@@ -167,7 +167,9 @@ class SchedulerSide:
         elif st.lost:
             return
         req = st.request
-        upto = min(len(req.all_token_ids), max(C + S, st.L + st.E))
+        # A new update carries the whole sequence the daemon holds (a resumed request's chunk may
+        # end before the tokens sent before it was preempted), and what this step computes.
+        upto = min(len(req.all_token_ids), max(C + S, st.L + st.E, st.sent_tokens))
         L = min(st.L, C)
         E = st.E if L + st.E <= C else 0
         batch.new(
