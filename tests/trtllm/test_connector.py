@@ -273,6 +273,17 @@ def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> N
         d.stop()
 
 
+def test_a_multimodal_request_never_reaches_the_daemon(make: Make) -> None:
+    """Its tokens do not name its KV (image placeholders): no lookup, no slot, nothing stored."""
+    ex = make()
+    r = ex.add(prompt(100))
+    r.multimodal_hashes = [[1, 2, 3, 4]]  # type: ignore[attr-defined]
+    ex.run()
+    assert ex.bad_kv[r.request_id] == []
+    c = counters(ex)
+    assert c["lookups"] == 0 and c["slots_created"] == 0 and c["store_blocks_planned"] == 0
+
+
 def test_an_engine_the_connector_cannot_serve_runs_without_it(monkeypatch: pytest.MonkeyPatch, daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:
     """Pipeline parallelism (which TensorRT-LLM refuses for connectors anyway), or no daemon at the
     address: the connector says why once and the engine computes everything itself."""

@@ -5,7 +5,6 @@ settings."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import socket
 import threading
@@ -20,7 +19,6 @@ from kvdepot.connector.worker import LoadJob
 from kvdepot.handles import _DTYPES
 from kvdepot.layout import KvLayout
 
-log = logging.getLogger("kvdepot.trtllm")
 STYLE = "trtllm"  # the daemon reads computed_position as TensorRT-LLM means it (docs/protocol.md)
 # Set by the MPI runtimes TensorRT-LLM runs under: one value per launch, the same on every rank.
 _JOB_VARS = ("KVDEPOT_ENGINE_KEY", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_JOBID", "SLURM_JOB_ID")

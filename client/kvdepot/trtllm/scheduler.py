@@ -57,7 +57,7 @@ class SchedulerSide:
         self.bs = block_size
         self.client: DepotClient | None = None
         self.reqs: dict[str, ReqState] = {}
-        self.guess: dict[str, tuple[int, int, bool]] = {}  # rid -> (L, E, async) answered, not yet allocated
+        self.guess: dict[str, tuple[int, int, bool, list[int]]] = {}  # rid -> (L, E, async, tokens) answered, not yet allocated
         self.async_starts: list[str] = []
         self.to_finish: list[str] = []
         self.to_preempt: list[str] = []
@@ -100,20 +100,20 @@ class SchedulerSide:
         st = self.reqs.get(rid)
         if st is not None and st.announced and st.epoch >= 0:
             st.restart = True  # asked again: its allocation died and it runs again from the start
-        if not self._ready() or not self._usable(request) or (st is not None and st.lost):
-            self.guess[rid] = (L, 0, False)
-            return 0, False
+        if not self._ready() or not self._usable(request):
+            self.guess.pop(rid, None)
+            return 0, False  # the daemon never hears of it: nothing is loaded or stored for it
         assert self.client is not None
         tokens = request.get_tokens(0)
         offerable = (len(tokens) - 1) // self.bs * self.bs - L  # never past the last prompt token
-        if offerable <= 0 or L % self.bs:
-            self.guess[rid] = (L, 0, False)
-            return 0, False  # the engine has all it can use itself: no round trip
-        salt, lora = self._names(request)
-        res = self.client.lookup(rid, tokens, device_matched_tokens=L, cache_salt=salt, lora_name=lora, timeout_s=self.cfg.lookup_timeout_ms / 1000)
-        E = min(res.matched_tokens, offerable)
+        E = 0
+        # Else the engine has all it can use itself (no round trip), or the request gets no updates.
+        if offerable > 0 and not L % self.bs and not (st is not None and st.lost):
+            salt, lora = self._names(request)
+            res = self.client.lookup(rid, tokens, device_matched_tokens=L, cache_salt=salt, lora_name=lora, timeout_s=self.cfg.lookup_timeout_ms / 1000)
+            E = min(res.matched_tokens, offerable)
         is_async = bool(E) and self.cfg.load_async
-        self.guess[rid] = (L, E, is_async)
+        self.guess[rid] = (L, E, is_async, tokens)
         return E, is_async
 
     def allocated(self, request: Any, block_ids: list[int]) -> None:
@@ -121,7 +121,7 @@ class SchedulerSide:
         guess = self.guess.pop(rid, None)
         if guess is None or self.client is None:
             return
-        L, E, is_async = guess
+        L, E, is_async, tokens = guess
         st = self.reqs.get(rid)
         if st is None:
             st = self.reqs[rid] = ReqState(request)
@@ -129,7 +129,7 @@ class SchedulerSide:
             self.to_preempt.append(rid)  # the daemon lets go of the old blocks before the new row
         st.request = request  # the engine's object of this admission (rewind moves its position)
         st.L, st.E, st.is_async, st.table, st.announced = L, E, is_async, list(block_ids), False
-        st.tokens = request.get_tokens(0)
+        st.tokens = tokens
         self._check_table(st)
         st.sent_blocks = st.sent_end = 0
         if is_async:
