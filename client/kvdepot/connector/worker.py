@@ -8,7 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ from kvdepot.connector.config import ConnectorConfig
 from kvdepot.errors import DepotError
 from kvdepot.handoff import handoff_path
 from kvdepot.layout import KvLayout
-from kvdepot.messages import LoadCopied, OpCompleted, OpInfo, RequestReleased
+from kvdepot.messages import LoadCopied, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
 
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
 
@@ -47,6 +47,19 @@ def load_jobs(ops: Sequence[OpInfo], promised: Sequence[tuple[str, list[int], bo
             by_req[op.request_id][op.op_id] = op.block_ids
             deadline[op.request_id] = max(deadline.get(op.request_id, 0), op.deadline_ms)
     return [LoadJob(rid, targets, by_req.get(rid, {}), deadline.get(rid, 0), is_async) for rid, targets, is_async in promised]
+
+
+def send_step(client: DepotClient, batch: StepBatch, reqs: Mapping[str, Any]) -> tuple[StepBatch, StepResult, int]:
+    """Sends the step's updates: (the batch as sent, the answer, the step whose forward the workers
+    must report done, 0 when no store waits on it: a decode step that completes no block sends
+    nothing to the daemon at all). An engine not registered (yet) sends none: the daemon knows none
+    of these requests, so each is new to it again (its `epoch` goes to -1)."""
+    if not client.engine_id:
+        for rid in batch.request_ids:
+            reqs[rid].epoch = -1
+        batch = StepBatch()
+    result = client.step(batch)
+    return batch, result, result.step if any(op.kind == "store" for op in result.ops) else 0
 
 
 def disconnect(client: DepotClient | None) -> None:

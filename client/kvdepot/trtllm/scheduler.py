@@ -22,7 +22,7 @@ from typing import Any
 
 from kvdepot.client import DepotClient
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.worker import connect, disconnect, load_jobs
+from kvdepot.connector.worker import connect, disconnect, load_jobs, send_step
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
 from kvdepot.trtllm.common import STYLE, Rendezvous, TrtllmMeta
 
@@ -173,12 +173,7 @@ class SchedulerSide:
                 self._check_table(st)
             if st.epoch == epoch and st.announced:
                 self._cached(batch, st, rd.computed_position, rd.num_scheduled_tokens)
-        if not self.client.engine_id:  # not registered (yet): the daemon knows none of this
-            for rid in batch.request_ids:
-                self.reqs[rid].epoch = -1
-            batch = StepBatch()
-        result = self.client.step(batch)
-        meta.step = result.step if any(op.kind == "store" for op in result.ops) else 0
+        batch, result, meta.step = send_step(self.client, batch, self.reqs)
         self._take_result(batch, result, loads, meta)
 
     @staticmethod

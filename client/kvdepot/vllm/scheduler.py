@@ -13,7 +13,7 @@ from vllm.v1.request import RequestStatus
 from kvdepot.layout import KvLayout
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.worker import connect, disconnect, load_jobs
+from kvdepot.connector.worker import connect, disconnect, load_jobs, send_step
 from kvdepot.vllm.common import KvDepotMetadata
 
 if TYPE_CHECKING:
@@ -149,14 +149,7 @@ class SchedulerSide:
                 st.table += nb[0]
             if st.epoch == epoch and st.announced:
                 self._cached(batch, st, C, S)
-        if not self.client.engine_id:  # not registered (yet): the daemon knows none of this
-            for rid in batch.request_ids:
-                self.reqs[rid].epoch = -1
-            batch = StepBatch()
-        result = self.client.step(batch)
-        # Workers report the forward done only for steps with stores waiting on it: a decode step
-        # that completes no block sends nothing to the daemon at all.
-        meta.step = result.step if any(op.kind == "store" for op in result.ops) else 0
+        batch, result, meta.step = send_step(self.client, batch, self.reqs)
         self._take_result(batch, result, loads, meta)
         return meta
 
