@@ -265,3 +265,26 @@ def test_a_long_disk_load_is_cut_into_ops_that_start_as_their_blocks_arrive() ->
         sim.depot.disk_job_done(job.job_id, set(), set())
     sim.run_copies()
     assert sim.states("b")[:40] == [BlockState.LOADED] * 40
+
+
+def test_two_layout_classes_of_one_model_stage_the_same_hashes_from_disk_apart() -> None:
+    """Engines of one model with other layouts (TP 1 and TP 2) have the same block hashes in two
+    pools; reads of one hash for both at once are two reads (the second used to replace the first's
+    waiting loads, and its report then raised KeyError)."""
+    big = disk_record_bytes(2 * BLOCK)
+    depot = Depot(DepotConfig(host_bytes=128 * BLOCK, slab_bytes=4 * BLOCK, disk_bytes=64 * big, disk_slab_bytes=8 * big,
+                              disk=DiskConfig(policy="write-through", admit_after=1)))
+    tp1, tp2 = Sim(depot=depot, name="tp1"), Sim(depot=depot, name="tp2", world_size=2)
+    toks = prompt(100)
+    for s in (tp1, tp2):
+        s.prefill_and_store("w", toks)
+    run_disk(tp1)
+    depot.clear(host=True, disk=False)
+    assert tp1.lookup("x", toks) == 96 and tp2.lookup("y", toks) == 96
+    tp1.step(tp1.new("x", toks, E=96, S=4, table=list(range(200, 207))))
+    tp2.step(tp2.new("y", toks, E=96, S=4, table=list(range(300, 307))))
+    run_disk(tp1)
+    tp1.run_copies()
+    tp2.run_copies()
+    loads = tp1.completed(OpKind.LOAD) + tp2.completed(OpKind.LOAD)
+    assert sorted(op.engine_id for op in loads) == [tp1.engine, tp2.engine] and all(op.success for op in loads)

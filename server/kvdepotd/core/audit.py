@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.disk import DiskJob, DiskJobKind, Domain
+from kvdepotd.core.remote import RemoteJob, RemoteJobKind
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind
 from kvdepotd.core.pool import SlabBudget
 from kvdepotd.core.records import COUNTERS, DepotStats, Engine, PoolStats
@@ -23,7 +24,16 @@ Engines = Mapping[EngineId, Engine]
 Domains = Mapping[str, Domain]
 
 
-def stats(engines: Engines, domains: Domains, ops: Mapping[OpId, Op], counters: Mapping[str, int], host: SlabBudget, disk: SlabBudget) -> DepotStats:
+def stats(
+    engines: Engines,
+    domains: Domains,
+    ops: Mapping[OpId, Op],
+    counters: Mapping[str, int],
+    host: SlabBudget,
+    disk: SlabBudget,
+    remote_queue: int = 0,
+    remote_jobs: int = 0,
+) -> DepotStats:
     """One walk over the state for GetStats and the metrics."""
     pools: list[PoolStats] = []
     ns_engines: Counter[str] = Counter()
@@ -50,6 +60,8 @@ def stats(engines: Engines, domains: Domains, ops: Mapping[OpId, Op], counters: 
         host_bytes=host.total_bytes,
         disk_bytes=disk.total_bytes,
         disk_used_bytes=disk.used_bytes,
+        remote_queue_blocks=remote_queue,
+        remote_jobs=remote_jobs,
     )
 
 
@@ -61,7 +73,12 @@ def all_counters(counters: Mapping[str, int], domains: Domains) -> dict[str, int
 
 
 def check_invariants(
-    engines: Engines, domains: Domains, by_key: Mapping[tuple[str, str], EngineId], ops: Mapping[OpId, Op], disk_jobs: Iterable[DiskJob]
+    engines: Engines,
+    domains: Domains,
+    by_key: Mapping[tuple[str, str], EngineId],
+    ops: Mapping[OpId, Op],
+    disk_jobs: Iterable[DiskJob],
+    remote_jobs: Iterable[RemoteJob] = (),
 ) -> None:
     """Asserts what must hold between calls (the hypothesis state machines call it after every step)."""
     for dom in domains.values():
@@ -84,6 +101,9 @@ def check_invariants(
             host_pins.update(h for i, h, s in zip(op.block_indices, op.hashes, op.tier_cells) if s is not None and i not in op.staging)
     for job in disk_jobs:
         (host_pins if job.kind is DiskJobKind.WRITE else disk_pins).update(it.hash for it in job.items)
+    for rjob in remote_jobs:
+        if rjob.kind is RemoteJobKind.WRITE:
+            host_pins.update(it.hash for it in rjob.items)
     pins: Counter[BlockHash] = Counter()
     dpins: Counter[BlockHash] = Counter()
     for dom in domains.values():

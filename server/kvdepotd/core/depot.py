@@ -13,6 +13,8 @@ Primitives (called by the runtime on the event loop, one at a time; `now_ms` is 
     complete_part(op_id, rank, failed, message, corrupt)   the copy engine's report for one part
     take_disk_jobs / disk_job_done / take_disk_drops / restore_disk   the disk tier (disk.py);
                                       disk_jobs: how many are out
+    extend_lookup(...) -> LookupResult   a lookup's match extended by what the remote store holds
+    set_remote_up / take_remote_jobs / remote_job_done   the remote tier (remote.py); remote_jobs
     expire(now_ms) -> [EngineId]      ends ops, pins and leases past their deadlines; who expired
     reclaim() -> int                  evicts ahead of need down to a small reserve of free host
                                       cells, so a Step's stores find one without evicting (the
@@ -40,6 +42,7 @@ from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest,
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
 from kvdepotd.core.plan import OpPlanner
 from kvdepotd.core.pool import BlockPool, SlabBudget, CellId
+from kvdepotd.core.remote import REMOTE_MAX_RANKS, RemoteJob, RemotePlanner
 from kvdepotd.core.records import (
     MAX_LEASE_MS,
     DepotConfig,
@@ -47,6 +50,7 @@ from kvdepotd.core.records import (
     Engine,
     Event,
     LoadCopied,
+    LookupPin,
     LookupResult,
     OpCompleted,
     PoolStats,
@@ -73,11 +77,12 @@ class Depot:
         self.by_key: dict[tuple[str, str], EngineId] = {}  # (namespace, engine key): keys are a namespace's own
         self.ops = OpTable(config.first_op_id)
         self.counters: Counter[str] = Counter()
-        self.disk = DiskPlanner(config.disk, self.ops, self.counters)
+        self.remote = RemotePlanner(config.remote, self.ops, self.counters)
+        self.disk = DiskPlanner(config.disk, self.ops, self.counters, self.remote)
         self._ready: list[tuple[Op, int]] = []
         self._events: list[Event] = []
         self._slot_epoch: dict[tuple[EngineId, RequestId], int] = {}
-        self.planner = OpPlanner(config, self.ops, self.disk, self.counters, self._slot_epoch)
+        self.planner = OpPlanner(config, self.ops, self.disk, self.remote, self.counters, self._slot_epoch)
 
     # -- engines -------------------------------------------------------------------------------
     def register_engine(
@@ -176,7 +181,22 @@ class Depot:
         eng = self.engine(engine_id)
         self._check_pin_caps(eng, request_id, len(tokens) // 4)
         self.disk.now_ms = now_ms
-        return lookup.lookup(eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters)
+        remote = self.remote.up and eng.layout.world_size <= REMOTE_MAX_RANKS
+        return lookup.lookup(eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters, remote)
+
+    def extend_lookup(self, engine_id: EngineId, request_id: RequestId, pin: LookupPin | None, res: LookupResult, found: int) -> LookupResult:
+        """The remote store holds the first `found` blocks of `res.remote_query` (lookup.extend);
+        `pin` is the one the lookup left (Engine.pins), so that a pin replaced meanwhile is not
+        extended. The first block it does not hold may be written again."""
+        eng = self.engine(engine_id)
+        q = res.remote_query
+        self.counters["remote_lookups"] += 1
+        self.counters["remote_lookup_hits"] += found > 0
+        if found < len(q):
+            self.remote.absent(eng.domain.layout_class, q[found])
+        if pin is None:
+            return res
+        return lookup.extend(eng, request_id, pin, found, res, self.counters)
 
     def _check_pin_caps(self, eng: Engine, request_id: RequestId, tokens: int) -> None:
         """Raises ResourceExhausted, naming the cap, when the lookup's pin would take the engine or its
@@ -501,13 +521,17 @@ class Depot:
         return (host if host is not None and host.owner == eng.namespace else None), (disk if disk is not None and disk.owner == eng.namespace else None)
 
     def stats(self) -> DepotStats:
-        return audit.stats(self.engines, self.domains, self.ops.ops, self.counters, self.host_budget, self.disk_budget)
+        return audit.stats(
+            self.engines, self.domains, self.ops.ops, self.counters, self.host_budget, self.disk_budget, len(self.remote.queue), len(self.remote.jobs)
+        )
 
     def all_counters(self) -> dict[str, int]:
         return audit.all_counters(self.counters, self.domains)
 
     def check_invariants(self) -> None:
-        audit.check_invariants(self.engines, self.domains, self.by_key, self.ops.ops, [job for job, _ in self.disk.jobs.values()])
+        audit.check_invariants(
+            self.engines, self.domains, self.by_key, self.ops.ops, [job for job, _ in self.disk.jobs.values()], [job for job, _ in self.remote.jobs.values()]
+        )
 
     # -- internals -------------------------------------------------------------------------------
     def engine(self, engine_id: EngineId) -> Engine:
@@ -533,6 +557,23 @@ class Depot:
         elif d.block_bytes != block_bytes:
             raise FailedPrecondition(f"layout class {layout_class} has {d.block_bytes}-byte blocks, not {block_bytes}")
         return d
+
+    # -- the remote tier -------------------------------------------------------------------------------
+    def set_remote_up(self, up: bool) -> None:
+        """The runtime's health check: the store answers (lookups ask it, blocks are written) or not."""
+        self.remote.set_up(up)
+
+    @property
+    def remote_jobs(self) -> int:
+        return len(self.remote.jobs)
+
+    def take_remote_jobs(self) -> list[RemoteJob]:
+        """Store jobs to run now: reads planned by loads, and writes of admitted host blocks."""
+        return self.remote.take_jobs()
+
+    def remote_job_done(self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "") -> None:
+        """The store's report of one job (RemotePlanner.job_done)."""
+        self._ready += self.remote.job_done(job_id, failed, corrupt, present, message)
 
     # -- the disk tier ---------------------------------------------------------------------------------
     def restore_disk(self, layout_class: str, block_bytes: int, world_size: int, blocks: Sequence[tuple[int, int | None, int, str]]) -> bool:

@@ -11,7 +11,7 @@ Primitives (called by the Depot on the event loop, one at a time):
     sighting(dom, hash)              a request carried the block: counts toward its admission
     consider(dom, hash, stored)      queues a host-resident block for the disk once admitted
     stage(dom, hash, parent, owner)  a host cell the block is read into for a load, or None
-    is_staging(hash)                 a read is bringing the block into the host tier
+    is_staging(dom, hash)            a read is bringing the block into the layout class's host pool
     wait(hash, op, position)         the load's block arrives with the read staging `hash`
     job(kind, dom, items)            a disk job the storage should run
     take_jobs(domains, now_ms, flush)  jobs to run now: reads, and writes the policy lets go
@@ -30,6 +30,7 @@ import enum
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvdepot.hashing import BlockHash
 from kvdepotd.core.ops import Op, OpId, OpTable
@@ -61,6 +62,15 @@ class Domain:
     demote: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)  # admitted host blocks not on disk yet
     seen: OrderedDict[BlockHash, list[int]] = field(default_factory=OrderedDict)  # hash -> [sightings, window start ms]
     writes_in_flight: int = 0
+
+
+class RemoteSink(Protocol):
+    """Where admitted blocks go besides the disk (kvdepotd.core.remote.RemotePlanner)."""
+
+    @property
+    def enabled(self) -> bool: ...
+    def wants(self, dom: Domain, h: BlockHash) -> bool: ...
+    def offer(self, dom: Domain, h: BlockHash) -> None: ...
 
 
 class DiskJobKind(enum.Enum):
@@ -100,7 +110,7 @@ class DiskConfig:
 
 
 class DiskPlanner:
-    def __init__(self, config: DiskConfig, ops: OpTable, counters: Counter[str]) -> None:
+    def __init__(self, config: DiskConfig, ops: OpTable, counters: Counter[str], remote: RemoteSink | None = None) -> None:
         if config.policy not in DISK_POLICIES:
             raise ValueError(f"unknown disk policy {config.policy!r}; known: {', '.join(DISK_POLICIES)}")
         self.config = config
@@ -111,13 +121,16 @@ class DiskPlanner:
         self._ready: list[DiskJob] = []
         self._next_job = 1
         self._flush = False
-        self._staging: dict[BlockHash, list[tuple[Op, int]]] = {}  # block being read from disk -> (load, position) waiting
+        # (layout class, block) being read from disk -> (load, position) waiting. Keyed by the class too:
+        # engines of one model with other layouts (another TP size) have the same hashes in other pools.
+        self._staging: dict[tuple[str, BlockHash], list[tuple[Op, int]]] = {}
+        self.remote = remote if remote is not None and remote.enabled else None  # admitted blocks go there too
 
     # -- admission --------------------------------------------------------------------------------
     def sighting(self, dom: Domain, h: BlockHash) -> None:
         """A request carries block `h` (stored, already cached, or loaded): counts toward admission."""
         n = self.config.admit_after
-        if n <= 1 or dom.disk is None:
+        if n <= 1 or (dom.disk is None and self.remote is None):
             return
         seen = dom.seen
         rec = seen.get(h)
@@ -131,10 +144,12 @@ class DiskPlanner:
             seen.popitem(last=False)
 
     def consider(self, dom: Domain, h: BlockHash, stored: bool = False) -> None:
-        """Queues a host-resident block for the disk once admitted (counted as a rejection when a
-        store completes before the block is admitted)."""
-        disk = dom.disk
-        if disk is None or h in dom.demote or disk.state_of(h) is not None:
+        """Queues a host-resident block for the disk, and offers it to the remote tier, once admitted
+        (counted as a rejection when a store completes before the block is admitted)."""
+        disk, remote = dom.disk, self.remote
+        to_disk = disk is not None and h not in dom.demote and disk.state_of(h) is None
+        to_remote = remote is not None and remote.wants(dom, h)
+        if not (to_disk or to_remote):
             return
         e = dom.registry.state_of(h)
         if e is None or e.status is not BlockStatus.RESIDENT:
@@ -142,10 +157,13 @@ class DiskPlanner:
         rec = dom.seen.get(h)
         n = self.config.admit_after
         if n <= 1 or (rec is not None and rec[0] >= n and self.now_ms - rec[1] <= self.config.admit_window_ms):
-            dom.demote[h] = None
-            self.counters["disk_admitted_blocks"] += 1
-            if len(dom.demote) > 2 * dom.registry.pool.capacity_blocks + 1024:
-                self._prune_demote(dom)
+            if to_disk:
+                dom.demote[h] = None
+                self.counters["disk_admitted_blocks"] += 1
+                if len(dom.demote) > 2 * dom.registry.pool.capacity_blocks + 1024:
+                    self._prune_demote(dom)
+            if to_remote:
+                remote.offer(dom, h)  # type: ignore[union-attr]
         elif stored:
             self.counters["disk_rejected_blocks"] += 1
 
@@ -156,8 +174,8 @@ class DiskPlanner:
         self.counters["disk_write_missed_blocks"] += before - len(dom.demote)
 
     # -- staging reads for loads -----------------------------------------------------------------------
-    def is_staging(self, h: BlockHash) -> bool:
-        return h in self._staging
+    def is_staging(self, dom: Domain, h: BlockHash) -> bool:
+        return (dom.layout_class, h) in self._staging
 
     def stage(self, dom: Domain, h: BlockHash, parent: BlockHash | None, owner: str) -> DiskItem | None:
         """The read that brings `h` from disk into a fresh host cell for a load, or None when the
@@ -170,11 +188,11 @@ class DiskPlanner:
         if hcell is None:
             return None
         disk.pin(h)  # type: ignore[union-attr]
-        self._staging[h] = []
+        self._staging[dom.layout_class, h] = []
         return DiskItem(h, parent, hcell, host.pool.byte_offset(hcell), d.cell)
 
-    def wait(self, h: BlockHash, op: Op, pos: int) -> None:
-        self._staging[h].append((op, pos))
+    def wait(self, dom: Domain, h: BlockHash, op: Op, pos: int) -> None:
+        self._staging[dom.layout_class, h].append((op, pos))
 
     # -- jobs ---------------------------------------------------------------------------------------------
     def job(self, kind: DiskJobKind, dom: Domain, items: list[DiskItem]) -> None:
@@ -229,17 +247,7 @@ class DiskPlanner:
                 self.counters["disk_checksum_failures"] += 1
             host.complete_store(it.hash, ok)
             self.counters["disk_read_blocks" if ok else "disk_read_failed_blocks"] += 1
-            for op, pos in self._staging.pop(it.hash):
-                op.staging.discard(op.block_indices[pos])
-                if op.op_id not in self.ops.ops:
-                    continue  # the load ended meanwhile: the block stays in the host tier, unpinned
-                waiting[op.op_id] = op
-                if ok:
-                    host.pin(it.hash)  # the load's pin, released when it ends
-                else:
-                    op.failed.add(op.block_indices[pos])
-                    op.tier_cells[pos] = None
-                    op.message = op.message or message or "disk read failed"
+            land(self.ops, self._staging.pop((job.layout_class, it.hash)), ok, host, it.hash, message or "disk read failed", waiting)
         ready: list[tuple[Op, int]] = []
         for op in waiting.values():
             if not op.staging:
@@ -284,3 +292,20 @@ class DiskPlanner:
         """Blocks (hash, parent, disk cell, owner) a persistent disk tier still holds at start-up (all or none)."""
         assert dom.disk is not None, "restore without a disk tier"
         return dom.disk.restore([(BlockHash(h), None if p is None else BlockHash(p), CellId(s), o) for h, p, s, o in blocks])
+
+
+def land(ops: OpTable, waiters: list[tuple[Op, int]], ok: bool, host: BlockRegistry, h: BlockHash, message: str, waiting: dict[OpId, Op]) -> None:
+    """A staged block arrived in the host tier (`ok`) or did not: the loads waiting for it take a
+    pin on it or fail that block; those still live are collected in `waiting` (to be released once
+    nothing of theirs is staging)."""
+    for op, pos in waiters:
+        op.staging.discard(op.block_indices[pos])
+        if op.op_id not in ops.ops:
+            continue  # the load ended meanwhile: the block stays in the host tier, unpinned
+        waiting[op.op_id] = op
+        if ok:
+            host.pin(h)  # the load's pin, released when it ends
+        else:
+            op.failed.add(op.block_indices[pos])
+            op.tier_cells[pos] = None
+            op.message = op.message or message

@@ -4,6 +4,8 @@ request (Depot.lookup checks the engine and passes the clock in).
     lookup(engine, request_id, tokens, ...) -> LookupResult
         checks the request, replaces the request's earlier pin, matches and pins the blocks after
         the engine's own L tokens (never the last prompt token: the engine needs its logits)
+    extend(engine, request_id, pin, found, result) -> LookupResult
+        the remote store holds the first `found` blocks of the lookup's remote_query
     match(dom, tokens, block_size, seed, first, limit) -> (hashes, on_disk, chain)
         the blocks from `first` on that some tier holds, up to the first one none does, each pinned
         in the tier it is taken from (host first: block 2 on disk and block 3 in host memory is
@@ -34,7 +36,10 @@ def lookup(
     now_ms: int,
     config: DepotConfig,
     counters: Counter[str],
+    remote: bool = False,
 ) -> LookupResult:
+    """`remote`: the remote store may be asked for the blocks after the local match (the answer's
+    remote_query; the pin is kept even without a local hit, for Depot.extend_lookup)."""
     bs = eng.layout.block_size
     n = len(tokens) // 4
     L = device_matched_tokens
@@ -59,15 +64,40 @@ def lookup(
     seed = eng.seed(cache_salt, lora_name)
     if L % bs == 0 and offerable:
         hit, on_disk, chain = match(eng.domain, tokens, bs, seed, first, offerable)
+    query: list[BlockHash] = []
+    if remote and L % bs == 0 and len(hit) < offerable:
+        start = first + len(hit)
+        want = min(offerable - len(hit), config.remote.lookup_blocks)
+        if len(chain) < start + want:
+            chain += block_hashes(tokens, bs, seed, start_block=len(chain), prev=chain[-1] if chain else None, limit=start + want - len(chain))
+        query = chain[start : start + want]
     deadline = now_ms + (pin_ms or config.pin_ms)
-    if hit:
+    if hit or query:
         eng.pins[request_id] = LookupPin(hit, deadline, on_disk, tokens, seed, chain)
         eng.pin_tokens += n
     matched = len(hit) * bs
     disk = sum(on_disk) * bs
     counters["lookup_hit_tokens"] += matched
     counters["lookup_disk_hit_tokens"] += disk
-    return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs)
+    return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs, remote_query=tuple(query))
+
+
+def extend(eng: Engine, request_id: RequestId, pin: LookupPin, found: int, res: LookupResult, counters: Counter[str]) -> LookupResult:
+    """The remote store holds the first `found` blocks of `res.remote_query`: they extend the match
+    (not pinned: the store may still evict them, and a load then recomputes them). A pin that was
+    replaced or released meanwhile (a repeated lookup, an expiry) is left alone."""
+    if eng.pins.get(request_id) is not pin:
+        return LookupResult(res.matched_tokens, res.host_tokens, res.disk_tokens, res.pin_deadline_ms, res.total_blocks)
+    if found:
+        pin.hashes = pin.hashes + list(res.remote_query[:found])
+    elif not pin.hashes:
+        eng.release_pin(request_id)  # kept for this answer only
+    bs = eng.layout.block_size
+    remote = found * bs
+    counters["lookup_hit_tokens"] += remote
+    counters["lookup_remote_hit_tokens"] += remote
+    deadline = pin.deadline_ms if pin.hashes else 0
+    return LookupResult(res.matched_tokens + remote, res.host_tokens, res.disk_tokens, deadline, res.total_blocks, remote)
 
 
 

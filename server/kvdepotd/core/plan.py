@@ -2,8 +2,9 @@
 
     OpPlanner.load(engine, slot, targets, step, now_ms) -> [Op]
         rule 2: load targets are in flight from the daemon until their op ends. Each op pins its
-        blocks; a block only on disk is staged into the host tier first (a READ job, the op held
-        until it lands); a target no tier holds fails at once (the engine recomputes it)
+        blocks; a block only on disk, or only in the remote store, is staged into the host tier
+        first (a READ job, the op held until it lands); a target no tier holds fails at once (the
+        engine recomputes it)
     OpPlanner.store(engine, slot, candidates, step, now_ms) -> Op | None
         rule 3: a block is stored at most once per residency; a hash any tier holds, or one in
         flight, is skipped and never copied again
@@ -22,15 +23,19 @@ from kvdepotd.core.disk import DiskItem, DiskJobKind, DiskPlanner, Domain
 from kvdepotd.core.ops import EngineId, Op, OpKind, OpTable, RequestId
 from kvdepotd.core.pool import CellId
 from kvdepotd.core.records import DepotConfig, Engine
+from kvdepotd.core.remote import RemoteItem, RemotePlanner
 from kvdepotd.core.registry import BlockStatus
 from kvdepotd.core.slots import BlockState, Slot
 
 
 class OpPlanner:
-    def __init__(self, config: DepotConfig, ops: OpTable, disk: DiskPlanner, counters: Counter[str], epochs: dict[tuple[EngineId, RequestId], int]) -> None:
+    def __init__(
+        self, config: DepotConfig, ops: OpTable, disk: DiskPlanner, remote: RemotePlanner, counters: Counter[str], epochs: dict[tuple[EngineId, RequestId], int]
+    ) -> None:
         self.config = config
         self.ops = ops
         self.disk = disk
+        self.remote = remote
         self.counters = counters
         self.epochs = epochs  # the slots' device-state generations (Depot._bump_epoch)
 
@@ -44,7 +49,10 @@ class OpPlanner:
         tier_cells: list[CellId | None] = []
         failed: set[int] = set()
         staged: dict[int, DiskItem] = {}  # position -> the read this load starts
+        fetched: dict[int, RemoteItem] = {}  # position -> the store read this load starts
         waits: dict[int, BlockHash] = {}  # position -> a block staging for this load (its own read or another's)
+        from_remote: set[int] = set()  # positions waiting on a store read
+        remote = self.remote
         for pos, (i, h) in enumerate(zip(idx, hashes)):
             self.disk.sighting(dom, h)
             e = reg.state_of(h)
@@ -53,14 +61,26 @@ class OpPlanner:
                 tier_cells.append(e.cell)
                 self.disk.consider(dom, h)
                 continue
-            if e is not None and self.disk.is_staging(h):  # another load is staging it: wait for the same read
+            if e is not None and self.disk.is_staging(dom, h):  # another load is staging it: wait for the same read
                 tier_cells.append(e.cell)
                 waits[pos] = h
                 continue
-            if e is None and (item := self.disk.stage(dom, h, slot.hashes[i - 1] if i else None, eng.namespace)) is not None:
+            if e is not None and remote.is_staging(dom, h):
+                tier_cells.append(e.cell)
+                waits[pos] = h
+                from_remote.add(pos)
+                continue
+            parent = slot.hashes[i - 1] if i else None
+            if e is None and (item := self.disk.stage(dom, h, parent, eng.namespace)) is not None:
                 tier_cells.append(item.host_cell)  # staged through the host tier
                 staged[pos] = item
                 waits[pos] = h
+                continue
+            if e is None and (ritem := remote.stage(dom, h, parent, eng.namespace)) is not None:
+                tier_cells.append(ritem.host_cell)
+                fetched[pos] = ritem
+                waits[pos] = h
+                from_remote.add(pos)
                 continue
             tier_cells.append(None)
             failed.add(i)
@@ -80,12 +100,14 @@ class OpPlanner:
                 op.message = "blocks not resident in any tier"
             if mine := [p for p in part if p in waits]:
                 op.staging = {idx[p] for p in mine}
-                op.from_disk = set(op.staging)
+                op.from_disk = {idx[p] for p in mine if p not in from_remote}
                 op.held = True
                 for p in mine:
-                    self.disk.wait(waits[p], op, p - k)
+                    (remote if p in from_remote else self.disk).wait(dom, waits[p], op, p - k)
             if items := [staged[p] for p in part if p in staged]:
                 self.disk.job(DiskJobKind.READ, dom, items)
+            if ritems := [fetched[p] for p in part if p in fetched]:
+                remote.read(dom, ritems)
             ops.append(op)
         self.counters["load_blocks_planned"] += len(idx)
         return ops
@@ -100,14 +122,13 @@ class OpPlanner:
         tier_cells: list[CellId | None] = []
         for i in candidates:
             h = slot.hashes[i]
-            if disk is not None:
-                self.disk.sighting(dom, h)
+            self.disk.sighting(dom, h)
             if reg.state_of(h) is not None or (disk is not None and disk.state_of(h) is not None):
                 slot.states[i] = BlockState.ALREADY_CACHED
                 reg.touch([h])
                 if disk is not None:
                     disk.touch([h])
-                    self.disk.consider(dom, h)
+                self.disk.consider(dom, h)
                 self.counters["store_blocks_already_cached"] += 1
                 continue
             tcell = reg.prepare_store(h, slot.hashes[i - 1] if i else None, eng.namespace)
@@ -167,7 +188,7 @@ class OpPlanner:
                     self.counters["store_blocks_cancelled"] += 1
                 else:
                     self.counters["store_failed_blocks"] += 1
-                if ok and stored_by_live_engine and dom.disk is not None:
+                if ok and stored_by_live_engine:
                     self.disk.consider(dom, h, stored=True)
                 if slot is not None and slot.states[i] is BlockState.STORING:
                     slot.states[i] = BlockState.STORED if ok else BlockState.STORE_FAILED

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from kvdepot.hashing import BlockHash, salt_hash, scope_seed
 from kvdepot.layout import KvLayout
 from kvdepotd.core.disk import DiskConfig, Domain
+from kvdepotd.core.remote import RemoteConfig
 from kvdepotd.core.ops import EngineId, Op, OpId, RequestId
 from kvdepotd.core.slots import Slot, UpdateStyle
 
@@ -26,6 +27,9 @@ COUNTERS = (
     "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
     "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
     "disk_full", "disk_evictions", "disk_write_missed_blocks", "disk_blocks_over_share",
+    "lookup_remote_hit_tokens", "remote_lookups", "remote_lookup_hits", "remote_queued_blocks", "remote_written_blocks", "remote_write_skipped_blocks",
+    "remote_write_failed_blocks", "remote_read_blocks", "remote_read_failed_blocks", "remote_checksum_failures",
+    "remote_dropped_store_down_blocks", "remote_dropped_queue_full_blocks", "remote_dropped_evicted_blocks",
 )
 
 
@@ -56,6 +60,7 @@ class DepotConfig:
     disk_bytes: int = 0
     disk_slab_bytes: int = 256 << 20
     disk: DiskConfig = field(default_factory=DiskConfig)  # the disk planner's policy
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  # the remote tier's (off by default)
     # reclaim() keeps this many host cells of each layout class free: 1/64 of the pool, at most 256
     # (a few steps' worth of stores), so eviction leaves the Step path at the cost of that margin.
     free_reserve_fraction: float = 1 / 64
@@ -72,7 +77,7 @@ class DepotConfig:
 class LookupPin:
     hashes: list[BlockHash]
     deadline_ms: int
-    on_disk: list[bool]  # per hash: pinned in the disk tier (else the host tier)
+    on_disk: list[bool]  # per pinned hash: in the disk tier (else the host tier); hashes past its end are in the remote store (not pinned)
     # The hash chain the lookup computed from block 0 (over `tokens`, with `seed`): the request's
     # first Step reuses it when it carries the same tokens, instead of hashing the prompt again.
     tokens: bytes = b""
@@ -87,6 +92,11 @@ class LookupResult:
     disk_tokens: int
     pin_deadline_ms: int
     total_blocks: int
+    remote_tokens: int = 0
+    # The hashes of the blocks after the local match that the remote store may hold, in order
+    # (empty without a remote tier, or when the local tiers matched every block on offer): the
+    # runtime asks the store and hands the answer to Depot.extend_lookup.
+    remote_query: tuple[BlockHash, ...] = ()
 
 
 @dataclass(slots=True)
@@ -145,6 +155,8 @@ class DepotStats:
     host_bytes: int
     disk_bytes: int
     disk_used_bytes: int
+    remote_queue_blocks: int = 0  # admitted blocks waiting to be written to the remote store
+    remote_jobs: int = 0  # store reads and writes running
 
 
 @dataclass(slots=True)
