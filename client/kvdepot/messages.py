@@ -13,7 +13,7 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 
 OpKindName = Literal["load", "store"]
 _KIND = {pb.OP_KIND_LOAD: "load", pb.OP_KIND_STORE: "store"}
-_TIER = {pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}
+_TIER = {pb.TIER_HOST: "host", pb.TIER_DISK: "disk", pb.TIER_REMOTE: "remote"}
 STYLES = {"vllm": pb.UPDATE_STYLE_VLLM, "trtllm": pb.UPDATE_STYLE_TRTLLM}
 KINDS_PB = {
     "none": pb.KV_LAYOUT_KIND_UNSPECIFIED,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -64,6 +65,16 @@ class DaemonConfig:
     disk_admit_window_s: float = 600.0
     disk_direct_io: bool = True
     disk_threads: int = 2
+    remote: str = ""
+    remote_user: str = ""
+    remote_password: str = ""
+    remote_ca: str = ""
+    remote_prefix: str = "kvdepot"
+    remote_ttl_s: int = 0
+    remote_timeout_ms: int = 1000
+    remote_lookup_ms: int = 20
+    remote_queue_blocks: int = 8192
+    remote_threads: int = 2
     fault_load_delay_ms: int = 0
     fault_store_delay_ms: int = 0
     fault_corrupt_loads: int = 0
@@ -81,6 +92,7 @@ class DaemonConfig:
     @property
     def disk_bytes(self) -> int:
         return int(self.disk_gib * (1 << 30)) if self.disk_dir else 0
+
 
 
 HELP: dict[str, str] = {
@@ -151,6 +163,25 @@ HELP: dict[str, str] = {
     "disk_admit_window_s": "the admission window in seconds. Default 600",
     "disk_direct_io": "true: disk I/O with O_DIRECT (no page cache); false: buffered I/O. Default true",
     "disk_threads": "threads writing to disk and checking what was read (one more thread issues the reads). Default 2",
+    "remote": "the remote tier (G4), a Valkey or Redis store shared by the daemons of many nodes: "
+    "valkey://HOST:PORT[,HOST:PORT...] (a cluster's seed nodes or one server; valkeys:// for TLS; "
+    "valkey://USER@HOST:PORT for an ACL user). Empty (the default): no remote tier (docs/remote.md)",
+    "remote_user": "ACL user for the remote store (or USER@ in the address)",
+    "remote_password": "password for the remote store; prefer the environment (KVDEPOT_REMOTE_PASSWORD) to a flag, which "
+    "other local users can read in the process list",
+    "remote_ca": "PEM CA certificates to check the remote store's TLS certificate with (valkeys://). Empty: the system's",
+    "remote_prefix": "first part of every key the daemon writes to the remote store (an ACL key pattern can confine the "
+    "daemon's user to PREFIX:*). Default kvdepot",
+    "remote_ttl_s": "seconds a block lives in the remote store; 0 (the default): until the store evicts it (maxmemory "
+    "with maxmemory-policy allkeys-lru)",
+    "remote_timeout_ms": "the most one request to the remote store may take (a batch of up to 32 blocks); a block not "
+    "read in time is recomputed by the engine. Default 1000",
+    "remote_lookup_ms": "the most a Lookup waits for the remote store to say which blocks it holds; past it the blocks "
+    "count as missing. Keep it under the engines' own lookup deadline (the vLLM connector's lookup_timeout_ms, 50). "
+    "Default 20",
+    "remote_queue_blocks": "admitted blocks waiting to be written to the remote store; more are dropped (and counted) "
+    "rather than slowing anything. Default 8192",
+    "remote_threads": "threads reading from and writing to the remote store. Default 2",
     "fault_load_delay_ms": "fault injection for tests: every load waits this long before copying. Default 0",
     "fault_store_delay_ms": "fault injection for tests: every store waits this long before copying. Default 0",
     "fault_corrupt_loads": "fault injection for tests: the next N blocks loaded have their host bytes flipped first "
@@ -230,6 +261,46 @@ def _path(v: Any) -> str:
     return v
 
 
+def _plain(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("expected a string")
+    return v
+
+
+def _remote_url(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError("expected valkey://HOST:PORT[,HOST:PORT...]")
+    if v:
+        parse_remote_url(v)  # raises ValueError saying what is wrong
+    return v
+
+
+REMOTE_SCHEMES = {"valkey": False, "redis": False, "valkeys": True, "rediss": True}  # scheme -> TLS
+
+
+def parse_remote_url(url: str) -> tuple[bool, str, str, tuple[tuple[str, int], ...]]:
+    """valkey://[user[:password]@]host:port[,host:port...] (redis:// too; valkeys:// or rediss://
+    for TLS) -> (tls, user, password, addresses)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in REMOTE_SCHEMES:
+        raise ValueError("expected valkey://HOST:PORT[,HOST:PORT...] (or valkeys:// for TLS)")
+    cred, at, hosts = rest.rpartition("@")
+    user, _, password = cred.partition(":") if at else ("", "", "")
+    addresses = []
+    for part in hosts.rstrip("/").split(","):
+        host, colon, port = part.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{part!r} is not HOST:PORT")
+        addresses.append((host.strip("[]"), int(port)))
+    return REMOTE_SCHEMES[scheme], urllib.parse.unquote(user), urllib.parse.unquote(password), tuple(addresses)
+
+
+def _key_prefix(v: Any) -> str:
+    if not isinstance(v, str) or not v or any(c.isspace() or c in "{}*?[]" for c in v):
+        raise ValueError("expected a non-empty key prefix without spaces, braces or glob characters")
+    return v
+
+
 def _text(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError("expected a string")
@@ -279,6 +350,16 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "disk_admit_window_s": _positive("disk_admit_window_s", float),
     "disk_direct_io": _bool,
     "disk_threads": _positive("disk_threads", int),
+    "remote": _remote_url,
+    "remote_user": _plain,
+    "remote_password": _plain,
+    "remote_ca": _path,
+    "remote_prefix": _key_prefix,
+    "remote_ttl_s": _positive("remote_ttl_s", int, allow_zero=True),
+    "remote_timeout_ms": _positive("remote_timeout_ms", int),
+    "remote_lookup_ms": _positive("remote_lookup_ms", int),
+    "remote_queue_blocks": _positive("remote_queue_blocks", int),
+    "remote_threads": _positive("remote_threads", int),
     "fault_load_delay_ms": _positive("fault_load_delay_ms", int, allow_zero=True),
     "fault_store_delay_ms": _positive("fault_store_delay_ms", int, allow_zero=True),
     "fault_corrupt_loads": _positive("fault_corrupt_loads", int, allow_zero=True),

@@ -70,6 +70,8 @@ class DepotCollector(Collector):
         )
         yield GaugeMetricFamily("kvdepot_disk_recovery_seconds", "time the disk tier's start-up recovery took", value=rec.seconds)
         yield GaugeMetricFamily("kvdepot_mapped_engine_bytes", "engine KV memory the daemon has mapped", value=self.mapped_bytes())
+        yield GaugeMetricFamily("kvdepot_remote_queue_blocks", "admitted blocks waiting to be written to the remote store", value=st.remote_queue_blocks)
+        yield GaugeMetricFamily("kvdepot_remote_jobs", "remote store reads and writes running", value=st.remote_jobs)
 
 
 class Metrics:
@@ -83,6 +85,20 @@ class Metrics:
         self.disk_io_seconds = Histogram(
             "kvdepot_disk_io_duration_seconds", "time one disk job took (many blocks)", ["op"], registry=self.registry, buckets=DISK_BUCKETS
         )
+        self.remote_io_bytes = Counter("kvdepot_remote_io_bytes", "block bytes moved to and from the remote store", ["op"], registry=self.registry)
+        self.remote_io_seconds = Histogram(
+            "kvdepot_remote_io_duration_seconds", "time one remote store job took (up to 32 blocks)", ["op"], registry=self.registry,
+            buckets=DISK_BUCKETS,
+        )
+        self.remote_lookup_seconds = Histogram(
+            "kvdepot_remote_lookup_duration_seconds", "time a Lookup spent asking the remote store which blocks it holds",
+            registry=self.registry, buckets=RPC_BUCKETS,
+        )
+        self.remote_failures = Counter(
+            "kvdepot_remote_failures", "remote store keys that failed, by kind: timeout, error, missing (evicted or never written), "
+            "corrupt, lookup_timeout (a Lookup's budget ran out)", ["kind"], registry=self.registry,
+        )
+        self.remote_up = Gauge("kvdepot_remote_up", "1 while the remote store answers its health check (0: down, or no remote tier)", registry=self.registry)
         self.copy_bytes = Counter(
             "kvdepot_host_copy_bytes", "block bytes copied between engine memory and the host tier (all ranks)", ["op"], registry=self.registry
         )
@@ -123,6 +139,18 @@ class Metrics:
         """A disk job ended (called on a disk thread; prometheus_client is thread-safe)."""
         self.disk_io_bytes.labels(op).inc(nbytes)
         self.disk_io_seconds.labels(op).observe(seconds)
+
+    def observe_remote(self, op: str, nbytes: int, seconds: float) -> None:
+        """A remote store job ended (on a remote thread)."""
+        self.remote_io_bytes.labels(op).inc(nbytes)
+        self.remote_io_seconds.labels(op).observe(seconds)
+
+    def note_remote(self, kind: str, n: int) -> None:
+        if n:
+            self.remote_failures.labels(kind).inc(n)
+
+    def observe_remote_lookup(self, seconds: float) -> None:
+        self.remote_lookup_seconds.observe(seconds)
 
     def observe_copy(self, c: Copied) -> None:
         """A host copy part ended (on the event loop, once per op and rank)."""

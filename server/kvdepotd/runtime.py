@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -32,14 +33,17 @@ from kvdepotd.core.slots import StepColumns
 from kvdepotd.metrics import Metrics
 from kvdepotd.storage.disk_dir import DiskStore
 from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.storage.remote import RemoteStore, block_key
 from kvdepotd.transfer.base import PartDone
 from kvdepotd.transfer.host import Faults, HostCopyEngine
 from kvdepotd.transfer.disk import DiskCopyEngine
+from kvdepotd.transfer.remote import RemoteCopyEngine
 from kvdepotd.transfer.mapping import RankMapping, populate
 
 log = logging.getLogger("kvdepotd")
 BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
 TICK_S = 0.05
+REMOTE_CHECK_S = 1.0  # how often the remote store's health is checked
 Rank = tuple[EngineId, int]
 
 
@@ -69,6 +73,10 @@ class Runtime:
         self.metrics = metrics
         self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice, clock_ms=now_ms)
         self.disk: DiskCopyEngine | None = None
+        self.remote: RemoteCopyEngine | None = None
+        self._remote_lookups: ThreadPoolExecutor | None = None
+        self._remote_lookup_ms = 20
+        self._remote_health: asyncio.Task[None] | None = None
         self.channels: dict[Rank, WorkerChannel] = {}
         self.backlog: dict[Rank, deque[pb.WorkerEvent]] = {}
         self.started = time.time()
@@ -82,15 +90,55 @@ class Runtime:
     def attach_disk(self, store: DiskStore, threads: int) -> None:
         self.disk = DiskCopyEngine(self._disk_done, self._arena, store, threads, self.metrics.observe_disk)
 
+    async def attach_remote(self, store: RemoteStore, threads: int, lookup_ms: int) -> None:
+        """The remote tier. The store is asked once here (briefly: a store that is down at start
+        is no reason not to serve) and then every REMOTE_CHECK_S by the health check, which
+        connects when it can and tells the core whether the store answers."""
+        self.remote = RemoteCopyEngine(self._remote_done, self._arena, store, threads, self.metrics.observe_remote, self.metrics.note_remote)
+        self._remote_lookups = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-remote-lookup")
+        self._remote_lookup_ms = lookup_ms
+        await self._check_remote(first=True)
+
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        if self.remote is not None:
+            self._remote_health = asyncio.get_running_loop().create_task(self._watch_remote())
+
+    async def _watch_remote(self) -> None:
+        while True:
+            await asyncio.sleep(REMOTE_CHECK_S)
+            try:
+                await self._check_remote()
+            except Exception:
+                log.exception("remote store health check failed")
+
+    async def _check_remote(self, first: bool = False) -> None:
+        assert self.remote is not None
+        store = self.remote.store
+        was = self.depot.remote.up
+        connected = store.client is not None
+        up = await asyncio.to_thread(store.ping)
+        self.metrics.remote_up.set(1 if up else 0)
+        if up and not connected:
+            for w in await asyncio.to_thread(store.config_warnings):
+                log.warning("remote tier: %s", w)
+        if up != was or first:
+            self.depot.set_remote_up(up)
+            where = store.settings.describe()
+            if up:
+                log.info("remote tier: store %s answers (%s)", where, "cluster" if store.cluster else "one server")
+            else:
+                log.warning("remote tier: store %s does not answer: lookups skip it and blocks are not written to it until it does", where)
+        self.pump()
 
     async def close(self, grace_s: float) -> None:
         """The drain's first half: stops the ticker, flushes the disk tier (within the grace) and
         stops faulting mappings in. stop_engines() is the second, once the service's streams ended."""
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._remote_health is not None:
+            self._remote_health.cancel()
         if self.disk is not None:
             await self._flush_disk(grace_s)
         self._stop_populating.set()  # a thread still faulting a mapping in stops at its next 2 MiB
@@ -100,6 +148,11 @@ class Runtime:
         await self.copy.close()
         if self.disk is not None:
             await self.disk.close()
+        if self.remote is not None:
+            await self.remote.close()
+            if self._remote_lookups is not None:
+                self._remote_lookups.shutdown(wait=False)
+            await asyncio.to_thread(self.remote.store.close)
         for ch in list(self.channels.values()):
             ch.close("daemon shutting down", grpc.StatusCode.UNAVAILABLE)
 
@@ -147,11 +200,22 @@ class Runtime:
         self.pump()
         return released
 
-    def lookup(self, engine_id: EngineId, request_id: RequestId, tokens: bytes, **kw: Any) -> LookupResult:
-        """Depot.lookup (same keywords, less the clock); the call renews the engine's lease."""
+    async def lookup(self, engine_id: EngineId, request_id: RequestId, tokens: bytes, **kw: Any) -> LookupResult:
+        """Depot.lookup (same keywords, less the clock); the call renews the engine's lease. Where
+        the local tiers stop short and a remote store is up, the store is asked (on a remote
+        thread, within --remote-lookup-ms) which of the next blocks it holds."""
         t = now_ms()
         res = self.depot.lookup(engine_id, request_id, tokens, now_ms=t, **kw)
         self.depot.renew_lease(engine_id, t)
+        if res.remote_query and self.remote is not None:
+            eng = self.depot.engine(engine_id)
+            pin = eng.pins.get(request_id)
+            prefix = self.remote.store.settings.prefix
+            keys = [block_key(prefix, eng.namespace, eng.domain.layout_class, h) for h in res.remote_query]
+            t0 = time.perf_counter()
+            found = await asyncio.get_running_loop().run_in_executor(self._remote_lookups, self.remote.held, keys, self._remote_lookup_ms)
+            self.metrics.observe_remote_lookup(time.perf_counter() - t0)
+            res = self.depot.extend_lookup(engine_id, request_id, pin, res, found)
         return res
 
     def step(self, engine_id: EngineId, step: int, columns: StepColumns, finished: list[RequestId], preempted: list[RequestId]) -> StepPlan:
@@ -213,6 +277,8 @@ class Runtime:
             if self.disk is not None:
                 self.disk.forget(self.depot.take_disk_drops())  # delete last: before any slot is rewritten
                 self.disk.submit(self.depot.take_disk_jobs(now_ms(), self._flush))
+            if self.remote is not None:
+                self.remote.submit(self.depot.take_remote_jobs())
         finally:
             self._pumping = False
         events = self.depot.take_events()
@@ -266,6 +332,12 @@ class Runtime:
         self.depot.disk_job_done(job_id, failed, corrupt, message)  # type: ignore[arg-type]
         if corrupt:
             log.warning("disk job %d: %d blocks failed their checksum and were dropped", job_id, len(corrupt))
+        self.pump()
+
+    def _remote_done(self, job_id: int, failed: set[int], corrupt: set[int], present: set[int], message: str) -> None:
+        self.depot.remote_job_done(job_id, failed, corrupt, present, message)  # type: ignore[arg-type]
+        if corrupt:
+            log.warning("remote job %d: %d blocks were corrupt in the store (deleted there; recomputed)", job_id, len(corrupt))
         self.pump()
 
     def _close_engine(self, engine_id: EngineId, reason: str) -> None:

@@ -33,6 +33,7 @@ from kvdepotd.auth import AuthError, Tokens
 from kvdepotd.config import DaemonConfig
 from kvdepotd.core.depot import Depot, DepotConfig
 from kvdepotd.core.disk import DiskConfig, disk_record_bytes
+from kvdepotd.core.remote import RemoteConfig
 from kvdepotd.core.records import Caps
 from kvdepotd.handoff import Handoffs
 from kvdepotd.lane import Lanes, unix_path
@@ -41,6 +42,7 @@ from kvdepotd.runtime import Runtime
 from kvdepotd.service import DepotService
 from kvdepotd.storage.disk import DiskError
 from kvdepotd.storage.disk_dir import DiskStore
+from kvdepotd.storage.remote import RemoteSettings, RemoteStore
 from kvdepotd.storage.host_arena import ArenaError, HostArena
 from kvdepotd.transfer import blockcopy
 from kvdepotd.transfer.host import Faults
@@ -106,6 +108,7 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         disk_bytes=cfg.disk_bytes,
         disk_slab_bytes=cfg.disk_slab_mib << 20,
         disk=DiskConfig(policy=cfg.disk_policy, admit_after=cfg.disk_admit_after, admit_window_ms=int(cfg.disk_admit_window_s * 1000)),
+        remote=RemoteConfig(enabled=bool(cfg.remote), queue_blocks=cfg.remote_queue_blocks),
         first_op_id=time.time_ns() // 1000,  # microseconds: above every id an earlier daemon handed out
     )
 
@@ -209,7 +212,8 @@ class Daemon:
         self._shutdown_started = False
 
     async def start(self) -> None:
-        mib = self.cfg.max_message_mib << 20
+        cfg = self.cfg
+        mib = cfg.max_message_mib << 20
         server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", mib), ("grpc.max_send_message_length", mib), ("grpc.so_reuseport", 0)]
         )
@@ -245,6 +249,12 @@ class Daemon:
             log.info("host tier: %.2f GiB backed with memory in %.2f s (--host-prealloc)", self.cfg.host_gib, time.monotonic() - t0)
         if self.cfg.disk_dir:
             self._open_disk()
+        if cfg.remote:
+            settings = RemoteSettings.parse(
+                cfg.remote, user=cfg.remote_user, password=cfg.remote_password, ca_file=cfg.remote_ca, prefix=cfg.remote_prefix,
+                ttl_s=cfg.remote_ttl_s, timeout_ms=cfg.remote_timeout_ms,
+            )
+            await self.runtime.attach_remote(RemoteStore(settings), cfg.remote_threads, cfg.remote_lookup_ms)
         # grpc's health servicer answers SERVING for "" from the start: not before the lanes, the
         # handoff sockets and their permissions are ready (set below, last).
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -265,7 +265,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
         engine_id = EngineId(request.engine_id)
         if self.auth is not None:
             self.own_engine(context, engine_id)
-        res = self.runtime.lookup(
+        res = await self.runtime.lookup(
             engine_id,
             RequestId(request.request_id),
             convert.lookup_tokens(request),
@@ -274,7 +274,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
             device_matched_tokens=request.device_matched_tokens,
             pin_ms=request.pin_ms,
         )
-        by_tier = [pb.TierTokens(tier=t, tokens=n) for t, n in ((pb.TIER_HOST, res.host_tokens), (pb.TIER_DISK, res.disk_tokens)) if n]
+        tiers = ((pb.TIER_HOST, res.host_tokens), (pb.TIER_DISK, res.disk_tokens), (pb.TIER_REMOTE, res.remote_tokens))
+        by_tier = [pb.TierTokens(tier=t, tokens=n) for t, n in tiers if n]
         return pb.LookupResponse(
             matched_tokens=res.matched_tokens,
             by_tier=by_tier,
@@ -442,6 +443,10 @@ class DepotService(pb_grpc.BlockManagerServicer):
             disk_recovered_blocks=rec.blocks,
             disk_recovery_dropped_blocks=rec.dropped,
             disk_recovery_s=rec.seconds,
+            remote=self.runtime.remote.store.settings.describe() if self.runtime.remote is not None else "",
+            remote_up=self.depot.remote.up,
+            remote_queue_blocks=st.remote_queue_blocks,
+            remote_jobs=st.remote_jobs,
         )
 
     @rpc
@@ -489,6 +494,11 @@ class DepotService(pb_grpc.BlockManagerServicer):
         if not self.caller(context).admin:
             raise PermissionDenied("Clear drops the blocks of every namespace: it needs an admin token")
         tier = request.tier
+        if tier == pb.TIER_REMOTE:
+            raise InvalidRequest(
+                "the remote store is shared with other daemons and cleared there, not by one daemon "
+                "(delete its keys, PREFIX:*, in the store; docs/remote.md)"
+            )
         if tier not in (pb.TIER_UNSPECIFIED, pb.TIER_HOST, pb.TIER_DISK):
             raise InvalidRequest(f"tier {tier} is not a tier")
         dropped, kept = self.runtime.clear(host=tier != pb.TIER_DISK, disk=tier != pb.TIER_HOST)

@@ -12,6 +12,7 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_UNSPECIFIED: _ClassVar[Tier]
     TIER_HOST: _ClassVar[Tier]
     TIER_DISK: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 
 class UpdateStyle(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ class OpKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TIER_UNSPECIFIED: Tier
 TIER_HOST: Tier
 TIER_DISK: Tier
+TIER_REMOTE: Tier
 UPDATE_STYLE_UNSPECIFIED: UpdateStyle
 UPDATE_STYLE_VLLM: UpdateStyle
 UPDATE_STYLE_TRTLLM: UpdateStyle
@@ -428,7 +430,7 @@ class PoolStats(_message.Message):
     def __init__(self, layout_class: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_flight_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("engines", "slots", "ops_in_flight", "pools", "counters", "host_bytes", "uptime_s", "mapped_engine_bytes", "mapped_ranks", "disk_bytes", "disk_dir", "disk_recovered_blocks", "disk_recovery_dropped_blocks", "disk_recovery_s")
+    __slots__ = ("engines", "slots", "ops_in_flight", "pools", "counters", "host_bytes", "uptime_s", "mapped_engine_bytes", "mapped_ranks", "disk_bytes", "disk_dir", "disk_recovered_blocks", "disk_recovery_dropped_blocks", "disk_recovery_s", "remote", "remote_up", "remote_queue_blocks", "remote_jobs")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -450,6 +452,10 @@ class GetStatsResponse(_message.Message):
     DISK_RECOVERED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_RECOVERY_DROPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DISK_RECOVERY_S_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_UP_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_QUEUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_JOBS_FIELD_NUMBER: _ClassVar[int]
     engines: int
     slots: int
     ops_in_flight: int
@@ -464,7 +470,11 @@ class GetStatsResponse(_message.Message):
     disk_recovered_blocks: int
     disk_recovery_dropped_blocks: int
     disk_recovery_s: float
-    def __init__(self, engines: _Optional[int] = ..., slots: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., host_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., mapped_engine_bytes: _Optional[int] = ..., mapped_ranks: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_dir: _Optional[str] = ..., disk_recovered_blocks: _Optional[int] = ..., disk_recovery_dropped_blocks: _Optional[int] = ..., disk_recovery_s: _Optional[float] = ...) -> None: ...
+    remote: str
+    remote_up: bool
+    remote_queue_blocks: int
+    remote_jobs: int
+    def __init__(self, engines: _Optional[int] = ..., slots: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., host_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., mapped_engine_bytes: _Optional[int] = ..., mapped_ranks: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_dir: _Optional[str] = ..., disk_recovered_blocks: _Optional[int] = ..., disk_recovery_dropped_blocks: _Optional[int] = ..., disk_recovery_s: _Optional[float] = ..., remote: _Optional[str] = ..., remote_up: _Optional[bool] = ..., remote_queue_blocks: _Optional[int] = ..., remote_jobs: _Optional[int] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("engine_id", "engine_name", "model", "layout", "namespace", "update_style", "slots", "lease_expires_unix_ms", "attached_ranks", "last_step")

@@ -1,0 +1,286 @@
+"""The remote copy engine: host arena <-> the remote store, on its own thread pool.
+
+    submit(jobs)             RemoteJobs from the Depot; returns at once
+    on_done                  (job id, failed, corrupt, present, message), called on the event loop
+    held(keys, budget_ms)    how many leading keys the store holds, asked within a budget (a
+                             lookup's thread; growing batches, stopping at the first missing key)
+    close()                  waits for running jobs
+
+  write   one batch asks which blocks the store holds already (another daemon wrote them: not
+          sent again), one more sets the others. A value is the header (with the checksums the
+          host tier took when the block left the engine) and the block's bytes.
+  read    one batch gets the values; each is checked (every header field, then each rank's data
+          against its checksum, after it was copied into the host cell it is staged in) before it is
+          reported. A corrupt value is deleted from the store. The report comes only after the
+          client returned: nothing writes into a host cell after the core may reuse it.
+A key that fails (missing, evicted, its node down, the request's timeout) fails that block alone;
+the load it was for recomputes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from kvdepotd.core.remote import RemoteJob, RemoteJobKind
+from kvdepotd.storage.checksum import xxh3_at
+from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.storage.remote import RemoteStore, block_key, check_header, header_bytes, pack_header
+
+log = logging.getLogger("kvdepotd")
+DoneFn = Callable[[int, set[int], set[int], set[int], str], None]
+Result = tuple[set[int], set[int], set[int], str]
+LOOKUP_FIRST = 128  # keys in a lookup's first batch; each next one is 4 times larger
+QUARANTINE_BYTES = 256 << 20  # scratch memory set aside after failed calls before buffered calls stop
+
+
+def address_of(value: bytes | memoryview) -> int:
+    """Where a value's bytes are (the bytes object's own buffer, or the memory a view is on)."""
+    if isinstance(value, memoryview):
+        return ctypes.addressof(ctypes.c_char.from_buffer(value))
+    return ctypes.cast(ctypes.c_char_p(value), ctypes.c_void_p).value or 0
+
+
+class Scratch:
+    """One thread's reusable memory for store values. Memory that a failed call was given is set
+    aside for good (a client that gave up on a call might still write into, or read, it later);
+    past QUARANTINE_BYTES of that, values go through the client's own allocations instead."""
+
+    quarantined: list[bytearray] = []
+    quarantined_bytes = 0
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.buf = bytearray(0)
+
+    def views(self, sizes: list[int]) -> tuple[list[memoryview], list[int]]:
+        total = sum(sizes)
+        if not total:
+            return [], []
+        if len(self.buf) < total:
+            self.buf = bytearray(total)
+        mv = memoryview(self.buf)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        views, addrs, off = [], [], 0
+        for n in sizes:
+            views.append(mv[off : off + n])
+            addrs.append(base + off)
+            off += n
+        return views, addrs
+
+    def quarantine(self) -> None:
+        with Scratch._lock:
+            Scratch.quarantined.append(self.buf)
+            Scratch.quarantined_bytes += len(self.buf)
+        self.buf = bytearray(0)
+
+    @staticmethod
+    def usable() -> bool:
+        return Scratch.quarantined_bytes < QUARANTINE_BYTES
+
+
+class RemoteCopyEngine:
+    def __init__(
+        self,
+        on_done: DoneFn,
+        arena: HostArena,
+        store: RemoteStore,
+        threads: int = 2,
+        observe: Callable[[str, int, float], None] | None = None,
+        note: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.on_done = on_done
+        self.arena = arena
+        self.store = store
+        self.observe = observe or (lambda kind, nbytes, seconds: None)
+        self.note = note or (lambda what, n: None)  # failures by kind: timeout, error, missing, corrupt
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-remote")
+        self._local = threading.local()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    def submit(self, jobs: list[RemoteJob]) -> None:
+        if not jobs:
+            return
+        if self._closed:
+            for job in jobs:
+                self.on_done(job.job_id, {it.hash for it in job.items}, set(), set(), "the daemon is shutting down")
+            return
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        loop = self._loop
+        for job in jobs:
+
+            def finished(fut: Future[Result], job: RemoteJob = job) -> None:
+                loop.call_soon_threadsafe(self._done, job, fut)
+
+            self._pool.submit(self._write if job.kind is RemoteJobKind.WRITE else self._read, job).add_done_callback(finished)
+
+    def _done(self, job: RemoteJob, fut: Future[Result]) -> None:
+        try:
+            failed, corrupt, present, message = fut.result()
+        except Exception as e:  # a bug or an error we did not expect: the job's blocks fail
+            log.exception("remote %s job %d failed", job.kind.value.lower(), job.job_id)
+            failed, corrupt, present, message = {it.hash for it in job.items}, set(), set(), f"remote store: {e}"
+        self.on_done(job.job_id, failed, corrupt, present, message)
+
+    def _keys(self, job: RemoteJob) -> list[bytes]:
+        prefix = self.store.settings.prefix
+        return [block_key(prefix, it.owner, job.layout_class, it.hash) for it in job.items]
+
+    def _failures(self, results: Sequence[object]) -> None:
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            timeouts = sum(1 for r in errors if "timeout" in type(r).__name__.lower() or "timed out" in str(r).lower())
+            self.note("timeout", timeouts)
+            self.note("error", len(errors) - timeouts)
+
+    # -- the jobs (remote threads) ----------------------------------------------------------------
+    def _write(self, job: RemoteJob) -> Result:
+        t0 = time.perf_counter()
+        keys = self._keys(job)
+        try:
+            held = self.store.exists(keys)
+        except Exception as e:
+            self.note("error", len(keys))
+            return {it.hash for it in job.items}, set(), set(), f"remote store: {e}"
+        self._failures(held)
+        present: set[int] = {it.hash for it, h in zip(job.items, held) if h is True}
+        failed: set[int] = {it.hash for it, h in zip(job.items, held) if isinstance(h, Exception)}
+        arena, cls, ws, nbytes = self.arena, job.layout_class, job.world_size, job.block_bytes
+        rank_bytes = nbytes // ws
+        items = [(it, key) for it, key in zip(job.items, keys) if it.hash not in present and it.hash not in failed]
+        scratch = self._scratch()
+        views, addrs = scratch.views([header_bytes(ws, it.owner, cls) + nbytes for it, _ in items])
+        todo: list[tuple[bytes, memoryview]] = []
+        hashes = []
+        for (it, key), view, dst in zip(items, views, addrs):
+            addr = arena.base + it.host_offset
+            sums = [arena.checksums.get((cls, it.host_cell, r)) for r in range(ws)]
+            sums2 = [s if s is not None else int(xxh3_at(addr + r * rank_bytes, rank_bytes)) for r, s in enumerate(sums)]
+            head = pack_header(ws, nbytes, it.hash, it.parent, it.owner, cls, sums2)
+            view[: len(head)] = head
+            ctypes.memmove(dst + len(head), addr, nbytes)
+            todo.append((key, view))
+            hashes.append(it.hash)
+        message, bad = "", []
+        if todo:
+            try:
+                results = self.store.set(todo)
+            except Exception as e:
+                results = [e] * len(todo)
+            if any(r is not None for r in results):
+                scratch.quarantine()  # the client may still read it: never written again
+            self._failures(results)
+            bad = [h for h, r in zip(hashes, results) if r is not None]
+            failed.update(bad)
+            if bad:
+                message = f"remote store: {next(r for r in results if r is not None)}"
+        self.observe("write", (len(todo) - len(bad)) * job.block_bytes, time.perf_counter() - t0)
+        return failed, set(), present, message
+
+    def _read(self, job: RemoteJob) -> Result:
+        t0 = time.perf_counter()
+        keys = self._keys(job)
+        arena, cls, ws, nbytes = self.arena, job.layout_class, job.world_size, job.block_bytes
+        if not arena.ensure(max(it.host_offset for it in job.items) + nbytes):
+            return {it.hash for it in job.items}, set(), set(), arena.error
+        values = self._get(job, keys)
+        self._failures(values)
+        failed: set[int] = set()
+        corrupt: set[int] = set()
+        bad_keys: list[bytes] = []
+        reasons: list[str] = []
+        rank_bytes = nbytes // ws
+        for it, key, value in zip(job.items, keys, values):
+            if not isinstance(value, (bytes, memoryview)):
+                failed.add(it.hash)
+                if value is None:
+                    self.note("missing", 1)
+                    reasons.append("not in the remote store (evicted or never written)")
+                else:
+                    reasons.append(f"remote store: {value}")
+                continue
+            try:
+                length, sums = check_header(value, ws, nbytes, it.hash, it.parent, it.owner, cls)
+            except ValueError as e:
+                corrupt.add(it.hash)
+                bad_keys.append(key)
+                reasons.append(f"corrupt block in the remote store: {e}")
+                continue
+            dst = arena.base + it.host_offset
+            ctypes.memmove(dst, address_of(value) + length, nbytes)
+            if any(int(xxh3_at(dst + r * rank_bytes, rank_bytes)) != s for r, s in enumerate(sums)):
+                corrupt.add(it.hash)
+                bad_keys.append(key)
+                reasons.append("corrupt block in the remote store: data checksum mismatch")
+                continue
+            for r, s in enumerate(sums):
+                arena.checksums[(cls, it.host_cell, r)] = s
+        if corrupt:
+            self.note("corrupt", len(corrupt))
+            try:
+                self.store.delete(bad_keys)
+            except Exception:
+                pass  # the next reader finds it corrupt too
+        self.observe("read", (len(job.items) - len(failed) - len(corrupt)) * nbytes, time.perf_counter() - t0)
+        return failed, corrupt, set(), reasons[0] if reasons else ""
+
+    def _scratch(self) -> Scratch:
+        s: Scratch | None = getattr(self._local, "scratch", None)
+        if s is None:
+            s = self._local.scratch = Scratch()
+        return s
+
+    def _get(self, job: RemoteJob, keys: list[bytes]) -> list[bytes | memoryview | None | Exception]:
+        """The job's values: one MGET into this thread's scratch memory (no allocation per value,
+        which costs more than the copy), else, when any part of it failed, a GET per key (a node
+        down fails only its own keys)."""
+        if Scratch.usable():
+            scratch = self._scratch()
+            sizes = [header_bytes(job.world_size, it.owner, job.layout_class) + job.block_bytes for it in job.items]
+            views, _ = scratch.views(sizes)
+            try:
+                got = self.store.get_into(keys, views)
+                return [None if n is None else views[i][:n] for i, n in enumerate(got)]
+            except Exception:
+                scratch.quarantine()  # a failed call may still write into it: never reused
+        try:
+            return list(self.store.get(keys))
+        except Exception as e:
+            return [e] * len(keys)
+
+    # -- lookups ---------------------------------------------------------------------------------------
+    def held(self, keys: Sequence[bytes], budget_ms: int) -> int:
+        """How many leading `keys` the store holds, asked in growing batches within the budget (a key
+        not answered in time counts as missing)."""
+        end = time.monotonic() + budget_ms / 1000
+        found, n = 0, LOOKUP_FIRST
+        while found < len(keys):
+            left = int((end - time.monotonic()) * 1000)
+            if left <= 0:
+                self.note("lookup_timeout", 1)
+                return found
+            batch = keys[found : found + n]
+            try:
+                got = self.store.exists(batch, timeout_ms=left)
+            except Exception as e:
+                self.note("lookup_timeout" if "timeout" in type(e).__name__.lower() else "error", 1)
+                return found
+            for r in got:
+                if r is not True:
+                    if isinstance(r, Exception):
+                        self._failures([r])
+                    return found
+                found += 1
+            n *= 4
+        return found
+
+    async def close(self) -> None:
+        self._closed = True
+        await asyncio.to_thread(self._pool.shutdown, wait=True)
