@@ -123,13 +123,19 @@ class Runtime:
         if up and not connected:
             for w in await asyncio.to_thread(store.config_warnings):
                 log.warning("remote tier: %s", w)
+            # A first Lookup would pay for the client's first pipelined call and the lookup
+            # thread's start: past an engine's 50-ms Lookup deadline on a busy machine.
+            await asyncio.get_running_loop().run_in_executor(self._remote_lookups, self.remote.held, [store.settings.prefix.encode() + b":warm-up"], 1000)
         if up != was or first:
             self.depot.set_remote_up(up)
             where = store.settings.describe()
             if up:
                 log.info("remote tier: store %s answers (%s)", where, "cluster" if store.cluster else "one server")
             else:
-                log.warning("remote tier: store %s does not answer: lookups skip it and blocks are not written to it until it does", where)
+                log.warning(
+                    "remote tier: store %s does not answer (%s): lookups skip it and blocks are not written to it until it does",
+                    where, store.error or "no answer",
+                )
         self.pump()
 
     async def close(self, grace_s: float) -> None:

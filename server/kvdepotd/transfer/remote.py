@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,23 +48,26 @@ def address_of(value: bytes | memoryview) -> int:
 
 
 class Scratch:
-    """One thread's reusable memory for store values. Memory that a failed call was given is set
-    aside for good (a client that gave up on a call might still write into, or read, it later);
-    past QUARANTINE_BYTES of that, values go through the client's own allocations instead."""
+    """One thread's reusable memory for store values: an anonymous mapping, so that making it
+    costs nothing under the GIL (a bytearray is zeroed, page by page, with the GIL held: on the
+    first remote load that kept the event loop from answering the Step in time). Memory that a
+    failed call was given is set aside for good (a client that gave up on a call might still write
+    into, or read, it later); past QUARANTINE_BYTES of that, values go through the client's own
+    allocations instead."""
 
-    quarantined: list[bytearray] = []
+    quarantined: list[mmap.mmap] = []
     quarantined_bytes = 0
     _lock = threading.Lock()
 
     def __init__(self) -> None:
-        self.buf = bytearray(0)
+        self.buf: mmap.mmap | None = None
 
     def views(self, sizes: list[int]) -> tuple[list[memoryview], list[int]]:
         total = sum(sizes)
         if not total:
             return [], []
-        if len(self.buf) < total:
-            self.buf = bytearray(total)
+        if self.buf is None or len(self.buf) < total:
+            self.buf = mmap.mmap(-1, total)  # the old one goes once no view of it is left
         mv = memoryview(self.buf)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
         views, addrs, off = [], [], 0
@@ -74,10 +78,12 @@ class Scratch:
         return views, addrs
 
     def quarantine(self) -> None:
+        if self.buf is None:
+            return
         with Scratch._lock:
             Scratch.quarantined.append(self.buf)
             Scratch.quarantined_bytes += len(self.buf)
-        self.buf = bytearray(0)
+        self.buf = None
 
     @staticmethod
     def usable() -> bool:
