@@ -318,6 +318,13 @@ class Daemon:
                 self.cfg.disk_gib, self.cfg.disk_dir, self.cfg.disk_policy, self.cfg.disk_admit_after,
                 "O_DIRECT" if self.cfg.disk_direct_io else "buffered", self.cfg.disk_threads,
             )
+        if self.runtime.remote is not None:
+            c = self.cfg
+            log.info(
+                "remote tier %s (keys %s:*, %s, admit after %d sightings, %d threads, request timeout %d ms, lookup budget %d ms, queue %d blocks)",
+                self.runtime.remote.store.settings.describe(), c.remote_prefix, f"TTL {c.remote_ttl_s} s" if c.remote_ttl_s else "no TTL",
+                c.disk_admit_after, c.remote_threads, c.remote_timeout_ms, c.remote_lookup_ms, c.remote_queue_blocks,
+            )
 
     def _open_disk(self) -> None:
         cfg = self.cfg

@@ -285,6 +285,26 @@ def test_an_acl_user_confined_to_the_prefix_is_enough_and_a_wrong_password_is_a_
             stop_clean(a, bad)
 
 
+def test_the_acl_user_is_enough_in_a_cluster_too(store: ValkeyCluster) -> None:
+    for i in range(store.primaries):
+        store.command("ACL", "SETUSER", "kvd", *ACL_RULES, node=i)
+    url = store.url.replace("valkey://", "valkey://kvd@")
+    env = {"KVDEPOT_REMOTE_PASSWORD": "kvd-secret"}
+    a = DaemonProcess(args=["--remote", url, "--disk-admit-after", "1"], env=env).start()
+    b = DaemonProcess(args=["--remote", url, "--remote-lookup-ms", "500"], env=env).start()
+    try:
+        wait_up(DepotClient(b.tcp))
+        first = stored_on(a)
+        e = engine(b)
+        assert e.generate(PROMPT, max_new_tokens=3).output == first and e.stats.loaded_tokens == 40 * 16
+        close_engine(e)
+        assert "could not read" not in a.log() and "(cluster)" in a.log()
+    finally:
+        stop_clean(a, b)
+        for i in range(store.primaries):
+            store.command("ACL", "DELUSER", "kvd", node=i)
+
+
 def test_tls_to_the_store(tmp_path: str) -> None:
     import os
 

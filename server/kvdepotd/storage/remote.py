@@ -26,6 +26,7 @@ value): `config_warnings()` says when it would refuse writes instead, or grow wi
 
 from __future__ import annotations
 
+import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,6 +138,8 @@ class RemoteStore:
         self.settings = settings
         self.client: Any = None
         self.cluster = False
+        self.answered = False  # the last ping was answered
+        self.error = ""  # why the last ping was not
 
     # -- connection --------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -172,13 +175,30 @@ class RemoteStore:
         )
 
     def ping(self) -> bool:
-        """The store answers (in a cluster: the node glide asks). Connects first when needed."""
+        """The store answers (in a cluster: the node glide asks). Connects first when needed;
+        `error` says why not. While it does not answer, no command goes to the client until a seed
+        address accepts a connection again (the client prints a line for every failed command)."""
         try:
             if self.client is None:
                 self.connect()
-            return bool(self.client.custom_command(["PING"]))
-        except Exception:
-            return False
+            elif not self.answered and not self._reachable():
+                self.error = "no address of the store accepts a connection"
+                return False
+            self.answered = bool(self.client.custom_command(["PING"]))
+            self.error = ""
+        except Exception as e:
+            self.answered = False
+            self.error = f"{type(e).__name__}: {e}"
+        return self.answered
+
+    def _reachable(self) -> bool:
+        for host, port in self.settings.addresses:
+            try:
+                socket.create_connection((host, port), timeout=0.2).close()
+                return True
+            except OSError:
+                continue
+        return False
 
     def close(self) -> None:
         if self.client is not None:
@@ -195,15 +215,22 @@ class RemoteStore:
             got = self._config_get()
         except Exception as e:
             return [f"could not read the store's eviction settings ({e}); it must evict (maxmemory with maxmemory-policy allkeys-lru)"]
-        out = []
+        if self.settings.ttl_s:
+            return []  # blocks expire on their own
+        policies: dict[str, list[str]] = {}
+        unbounded = []
         for node, (policy, maxmemory) in sorted(got.items()):
-            if not policy.startswith("allkeys-") and not self.settings.ttl_s:
-                out.append(
-                    f"store node {node}: maxmemory-policy is {policy}: when full it refuses kvdepot's writes (dropped and counted) instead of "
-                    "evicting old blocks; set allkeys-lru, or give blocks a TTL (--remote-ttl-s)"
-                )
-            if maxmemory == "0" and not self.settings.ttl_s:
-                out.append(f"store node {node}: maxmemory is 0: the store grows until the machine runs out of memory; set maxmemory")
+            if not policy.startswith("allkeys-"):
+                policies.setdefault(policy, []).append(node)
+            if maxmemory == "0":
+                unbounded.append(node)
+        out = [
+            f"maxmemory-policy is {policy} on {', '.join(nodes)}: a full store refuses kvdepot's writes (dropped and counted) instead of "
+            "evicting old blocks; set allkeys-lru, or give blocks a TTL (--remote-ttl-s)"
+            for policy, nodes in sorted(policies.items())
+        ]
+        if unbounded:
+            out.append(f"maxmemory is 0 on {', '.join(unbounded)}: the store grows until its machine runs out of memory; set maxmemory")
         return out
 
     def _config_get(self) -> dict[str, tuple[str, str]]:
