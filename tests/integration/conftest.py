@@ -59,6 +59,15 @@ def drain_with_an_idle_client(what: str, lane: bool) -> DaemonProcess:
     return d
 
 
+def wait_counter(c: DepotClient, name: str, at_least: int, timeout_s: float = 10.0) -> int:
+    """Waits until the daemon's counter `name` reaches `at_least`; returns it."""
+    end = time.monotonic() + timeout_s
+    while (v := c.stats().counters[name]) < at_least:
+        assert time.monotonic() < end, f"{name} stayed at {v} (< {at_least})"
+        time.sleep(0.02)
+    return v
+
+
 def close_engine(e: FakeEngine) -> None:
     e.client.close()
     assert e.kv is not None

@@ -13,7 +13,7 @@ import pytest
 
 from kvdepot import DepotClient, KvLayout
 from kvdepot.testing import DaemonProcess, FakeEngine
-from tests.integration.conftest import attached_engine, close_engine
+from tests.integration.conftest import attached_engine, close_engine, wait_counter
 
 pytestmark = pytest.mark.integration
 
@@ -32,14 +32,6 @@ def engine(d: DaemonProcess, lay: KvLayout, model: str = "disk-model", **kw: obj
 
 
 close = close_engine
-
-
-def wait_counter(c: DepotClient, name: str, at_least: int, timeout_s: float = 10.0) -> int:
-    end = time.monotonic() + timeout_s
-    while (v := c.stats().counters[name]) < at_least:
-        assert time.monotonic() < end, f"{name} stayed at {v} (< {at_least})"
-        time.sleep(0.02)
-    return v
 
 
 def disk_pool(c: DepotClient) -> tuple[int, int]:

@@ -12,8 +12,7 @@ import pytest
 from kvdepot import DepotClient, KvLayout
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.testing.valkey import ValkeyCluster
-from kvdepot.v1 import kvdepot_pb2 as pb
-from tests.integration.conftest import attached_engine, close_engine
+from tests.integration.conftest import attached_engine, close_engine, wait_counter
 
 pytestmark = pytest.mark.integration
 
@@ -48,14 +47,6 @@ def node(vc: ValkeyCluster | str, *extra: str) -> DaemonProcess:
 
 def engine(d: DaemonProcess, namespace: str = "", **kw: object) -> FakeEngine:
     return attached_engine(d, LAYOUT, MODEL, namespace=namespace, **kw)
-
-
-def wait_counter(c: DepotClient, name: str, at_least: int, timeout_s: float = 10.0) -> int:
-    end = time.monotonic() + timeout_s
-    while (v := c.stats().counters[name]) < at_least:
-        assert time.monotonic() < end, f"{name} stayed at {v} (< {at_least})"
-        time.sleep(0.02)
-    return v
 
 
 def wait_up(c: DepotClient, up: bool = True, timeout_s: float = 10.0) -> None:
