@@ -33,7 +33,7 @@ from kvdepotd.core.slots import StepColumns
 from kvdepotd.metrics import Metrics
 from kvdepotd.storage.disk_dir import DiskStore
 from kvdepotd.storage.host_arena import HostArena
-from kvdepotd.storage.remote import RemoteStore, block_key
+from kvdepotd.storage.remote import RemoteStore
 from kvdepotd.transfer.base import PartDone
 from kvdepotd.transfer.host import Faults, HostCopyEngine
 from kvdepotd.transfer.disk import DiskCopyEngine
@@ -125,7 +125,7 @@ class Runtime:
                 log.warning("remote tier: %s", w)
             # A first Lookup would pay for the client's first pipelined call and the lookup
             # thread's start: past an engine's 50-ms Lookup deadline on a busy machine.
-            await asyncio.get_running_loop().run_in_executor(self._remote_lookups, self.remote.held, [store.settings.prefix.encode() + b":warm-up"], 1000)
+            await asyncio.get_running_loop().run_in_executor(self._remote_lookups, self.remote.held, "", "warm-up", [0], 1000)
         if up != was or first:
             self.depot.set_remote_up(up)
             where = store.settings.describe()
@@ -216,10 +216,10 @@ class Runtime:
         if res.remote_query and self.remote is not None:
             eng = self.depot.engine(engine_id)
             pin = eng.pins.get(request_id)
-            prefix = self.remote.store.settings.prefix
-            keys = [block_key(prefix, eng.namespace, eng.domain.layout_class, h) for h in res.remote_query]
             t0 = time.perf_counter()
-            found = await asyncio.get_running_loop().run_in_executor(self._remote_lookups, self.remote.held, keys, self._remote_lookup_ms)
+            found = await asyncio.get_running_loop().run_in_executor(
+                self._remote_lookups, self.remote.held, eng.namespace, eng.domain.layout_class, res.remote_query, self._remote_lookup_ms
+            )
             self.metrics.observe_remote_lookup(time.perf_counter() - t0)
             res = self.depot.extend_lookup(engine_id, request_id, pin, res, found)
         return res

@@ -262,17 +262,19 @@ class RemoteCopyEngine:
             return [e] * len(keys)
 
     # -- lookups ---------------------------------------------------------------------------------------
-    def held(self, keys: Sequence[bytes], budget_ms: int) -> int:
-        """How many leading `keys` the store holds, asked in growing batches within the budget (a key
-        not answered in time counts as missing)."""
+    def held(self, namespace: str, layout_class: str, hashes: Sequence[int], budget_ms: int) -> int:
+        """How many leading blocks of `hashes` the store holds, asked in growing batches within the
+        budget (a key not answered in time counts as missing). Keys are made here, batch by batch,
+        not on the event loop."""
         end = time.monotonic() + budget_ms / 1000
+        prefix = self.store.settings.prefix
         found, n = 0, LOOKUP_FIRST
-        while found < len(keys):
+        while found < len(hashes):
             left = int((end - time.monotonic()) * 1000)
             if left <= 0:
                 self.note("lookup_timeout", 1)
                 return found
-            batch = keys[found : found + n]
+            batch = [block_key(prefix, namespace, layout_class, h) for h in hashes[found : found + n]]
             try:
                 got = self.store.exists(batch, timeout_ms=left)
             except Exception as e:
