@@ -4,6 +4,9 @@ every way the store can fail costs misses, never wrong KV, an error to the engin
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -41,8 +44,12 @@ def store(cluster: ValkeyCluster) -> Iterator[ValkeyCluster]:
 
 
 def node(vc: ValkeyCluster | str, *extra: str) -> DaemonProcess:
+    """One node's daemon: its own host tier and its own disk tier (written through), and the store."""
     url = vc if isinstance(vc, str) else vc.url
-    return DaemonProcess(args=["--remote", url, "--disk-admit-after", "1", "--remote-lookup-ms", "500", *extra]).start()
+    folder = tempfile.mkdtemp(prefix="kvdepot-node-disk-")
+    atexit.register(shutil.rmtree, folder, True)
+    disk = ["--disk-dir", folder, "--disk-gib", "0.05", "--disk-slab-mib", "1", "--disk-policy", "write-through"]
+    return DaemonProcess(args=["--remote", url, "--disk-admit-after", "1", "--remote-lookup-ms", "500", *disk, *extra]).start()
 
 
 def engine(d: DaemonProcess, namespace: str = "", **kw: object) -> FakeEngine:
@@ -93,6 +100,31 @@ def test_a_prompt_computed_on_one_node_is_served_byte_exact_on_another(store: Va
         c = e.client.stats().counters
         assert c["remote_read_blocks"] == 40 and c["remote_written_blocks"] == 0
         e.check()
+        close_engine(e)
+    finally:
+        stop_clean(a, b)
+
+
+def test_a_prompt_half_on_the_nodes_own_disk_and_half_in_the_store_is_served_from_both(store: ValkeyCluster) -> None:
+    """The match runs host, then disk, then the store: node B holds the first 20 blocks on its own
+    disk only, the store all 40 (B wrote the first 20, node A the rest)."""
+    a, b = node(store), node(store)
+    try:
+        e = engine(b)
+        e.generate(PROMPT[: 20 * 16 + 1], max_new_tokens=1)  # B computes the first 20 blocks
+        wait_counter(e.client, "disk_written_blocks", 20)
+        wait_counter(e.client, "remote_written_blocks", 20)
+        ea = engine(a)
+        first = ea.generate(PROMPT, max_new_tokens=3).output  # A loads those 20 from the store, computes the rest
+        wait_counter(ea.client, "remote_written_blocks", 20)
+        close_engine(ea)
+        e.client.clear("host")
+        e.reset_prefix_cache()
+        assert e.client.lookup("probe", PROMPT).by_tier == {"disk": 20 * 16, "remote": 20 * 16}
+        out = e.generate(PROMPT, max_new_tokens=3)
+        assert out.output == first and e.stats.kv_mismatched_tokens == 0 and e.stats.failed_load_blocks == 0
+        c = e.client.stats().counters
+        assert c["disk_read_blocks"] >= 20 and c["remote_read_blocks"] >= 20
         close_engine(e)
     finally:
         stop_clean(a, b)
