@@ -76,6 +76,9 @@ class Tokens:
         self.source = source
         self._scrapers = scrapers  # tokens that may read /metrics and nothing else
 
+    def is_admin(self, token: str | None) -> bool:
+        return token is not None and (c := self._callers.get(token)) is not None and c.admin
+
     def may_scrape(self, token: str | None) -> bool:
         """A metrics token or an admin token: /metrics names every namespace."""
         return token is not None and (token in self._scrapers or ((c := self._callers.get(token)) is not None and c.admin))

@@ -51,6 +51,17 @@ def parser() -> argparse.ArgumentParser:
     health.add_argument("--tls-ca", metavar="FILE", default="", help="TLS: the CA that signed the daemon's certificate (PEM)")
     health.add_argument("--tls-cert", metavar="FILE", default="", help="TLS: this client's certificate, when the daemon asks for one")
     health.add_argument("--tls-key", metavar="FILE", default="", help="TLS: the key of --tls-cert")
+    status = sub.add_parser(
+        "status", help="show a running daemon's engines, tiers, hit rates, ops in flight and failures (--watch refreshes, --json for scripts)"
+    )
+    status.add_argument("address", nargs="?", default=config.DEFAULT_LISTEN, help=f"HOST:PORT or unix:PATH (default {config.DEFAULT_LISTEN})")
+    status.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS", help="refresh every SECONDS (default 2) until Ctrl-C")
+    status.add_argument("--json", action="store_true", help="print the snapshot as JSON (with --watch: one line per refresh)")
+    status.add_argument("--token-file", metavar="FILE", default="", help="an admin or metrics token, for a daemon with tokens (admin: also the oldest ops and recent failures)")
+    status.add_argument("--timeout-s", type=float, default=5.0)
+    status.add_argument("--tls-ca", metavar="FILE", default="", help="TLS: the CA that signed the daemon's certificate (PEM)")
+    status.add_argument("--tls-cert", metavar="FILE", default="", help="TLS: this client's certificate, when the daemon asks for one")
+    status.add_argument("--tls-key", metavar="FILE", default="", help="TLS: the key of --tls-cert")
     disk = sub.add_parser("check-disk", help="read every block a disk tier directory holds and check it as start-up would (run it with the daemon stopped); exits 1 when it finds damage")
     disk.add_argument("directory")
     return p
@@ -121,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         return health_check(args.address, args.timeout_s, Tls.of(args.tls_ca, args.tls_cert, args.tls_key))
     if args.command == "check-disk":
         return check_disk(args.directory)
+    if args.command == "status":
+        from kvdepotd import status
+
+        return status.main(args)
     try:
         cfg = config.load(args)
     except config.ConfigError as e:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Iterable, Sequence
 
 from kvdepot.hashing import tokens_to_bytes
 from kvdepot.layout import KvLayout
@@ -145,6 +146,18 @@ def slot_blocks(slot: Slot) -> list[pb.BlockState]:
         )
         for i, (h, st) in enumerate(zip(slot.hashes, slot.states))
     ]
+
+
+def oldest_ops(ops: Iterable[Op], now_ms: int, limit: int) -> list[pb.OpInFlight]:
+    """The oldest ops in flight, for GetStats: what an operator looks at when ops pile up."""
+    out = []
+    for op in heapq.nsmallest(limit, ops, key=lambda o: (o.planned_ms, o.op_id)):
+        state = "staging" if op.held else "waiting_forward" if not op.started else "copying"
+        out.append(pb.OpInFlight(
+            op_id=op.op_id, kind=KIND_PB[op.kind], engine_id=op.engine_id, request_id=op.request_id, blocks=len(op.block_ids),
+            age_ms=max(0, now_ms - op.planned_ms), state=state,
+        ))
+    return out
 
 
 def engine_info(eng: Engine, ranks: list[int]) -> pb.EngineInfo:

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,6 +43,18 @@ from kvdepotd.transfer.mapping import RankMapping, populate
 
 log = logging.getLogger("kvdepotd")
 BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
+RECENT_FAILURES = 32  # failures kept for GetStats (kvdepotd status)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failure an operator should see: an op with failed blocks, a checksum failure, an
+    expired lease, the remote store going down."""
+
+    unix_s: float
+    kind: str
+    engine_id: str
+    message: str
 TICK_S = 0.05
 REMOTE_CHECK_S = 1.0  # how often the remote store's health is checked
 Rank = tuple[EngineId, int]
@@ -79,6 +92,7 @@ class Runtime:
         self._remote_health: asyncio.Task[None] | None = None
         self.channels: dict[Rank, WorkerChannel] = {}
         self.backlog: dict[Rank, deque[pb.WorkerEvent]] = {}
+        self.failures: deque[Failure] = deque(maxlen=RECENT_FAILURES)
         self.started = time.time()
         self._arena = arena
         self._pumping = False
@@ -136,6 +150,7 @@ class Runtime:
                     "remote tier: store %s does not answer (%s): lookups skip it and blocks are not written to it until it does",
                     where, store.error or "no answer",
                 )
+                self.failed("remote_down", "", f"store {where} does not answer ({store.error or 'no answer'})")
         self.pump()
 
     async def close(self, grace_s: float) -> None:
@@ -168,6 +183,7 @@ class Runtime:
             try:
                 for gone in self.depot.expire(now_ms()):
                     log.warning("engine %s lease expired: its slots, pins and ops were released", gone)
+                    self.failed("lease_expired", gone, "no heartbeat or call within its lease: its slots, pins and ops were released")
                     self._close_engine(gone, "engine lease expired")
                 self.depot.reclaim()
                 self.pump()
@@ -270,6 +286,9 @@ class Runtime:
     def attached_ranks(self, engine_id: EngineId) -> list[int]:
         return sorted(r for (eid, r) in self.channels if eid == engine_id)
 
+    def failed(self, kind: str, engine_id: str, message: str) -> None:
+        self.failures.append(Failure(time.time(), kind, engine_id, message))
+
     # -- the loop -----------------------------------------------------------------------------------
     def pump(self) -> None:
         if self._pumping:  # a copy engine that ends parts at once calls back into us
@@ -300,6 +319,9 @@ class Runtime:
                 self.copy.cancel(ev.op.op_id)  # an op that ended early: its parts still queued or copying stop
                 msg.completed.append(convert.op_completed_pb(ev.op))
                 self.metrics.observe_op(ev.op.kind.value.lower(), ev.op.success, t - ev.op.planned_ms)
+                if not ev.op.success and not ev.op.cancelled:  # a cancelled store's request went back: no failure
+                    op = ev.op
+                    self.failed(op.kind.value.lower(), op.engine_id, f"op {op.op_id} of request {op.request_id}: {len(op.failed)} of {len(op.block_ids)} blocks failed: {op.message or 'no reason given'}")
             elif isinstance(ev, LoadCopied):
                 msg.copied.append(ev.op_id)
             else:
@@ -331,6 +353,7 @@ class Runtime:
                 self.metrics.observe_copy(d.copied)
             if d.corrupt:
                 log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
+                self.failed("checksum", "", f"op {d.op_id} rank {d.rank}: {len(d.corrupt)} host-tier blocks failed their checksum and were dropped")
         self.depot.reclaim()  # while the engine runs its forward, not in its next Step
         self.pump()
 
@@ -338,12 +361,14 @@ class Runtime:
         self.depot.disk_job_done(job_id, failed, corrupt, message)  # type: ignore[arg-type]
         if corrupt:
             log.warning("disk job %d: %d blocks failed their checksum and were dropped", job_id, len(corrupt))
+            self.failed("checksum", "", f"disk job {job_id}: {len(corrupt)} blocks failed their checksum and were dropped")
         self.pump()
 
     def _remote_done(self, job_id: int, failed: set[int], corrupt: set[int], present: set[int], message: str) -> None:
         self.depot.remote_job_done(job_id, failed, corrupt, present, message)  # type: ignore[arg-type]
         if corrupt:
             log.warning("remote job %d: %d blocks were corrupt in the store (deleted there; recomputed)", job_id, len(corrupt))
+            self.failed("checksum", "", f"remote job {job_id}: {len(corrupt)} blocks were corrupt in the store (deleted there)")
         self.pump()
 
     def _close_engine(self, engine_id: EngineId, reason: str) -> None:

@@ -26,7 +26,7 @@ from kvdepotd.core.errors import DepotError, InvalidRequest
 from kvdepotd.core.ops import EngineId, RequestId
 from kvdepotd.errors import status_of
 from kvdepotd.handoff import Handoffs, doorbell
-from kvdepotd.runtime import Runtime, WorkerChannel
+from kvdepotd.runtime import Runtime, WorkerChannel, now_ms
 from kvdepotd.transfer.mapping import map_rank
 from kvdepotd.wire import BadMessage
 
@@ -414,6 +414,8 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 f"GetStats reports every namespace's figures together: it needs an admin or a metrics token, not {self.caller(context).describe()}"
             )
         st = self.depot.stats()
+        now = now_ms()
+        detail = auth is None or auth.is_admin(bearer(context.invocation_metadata()))
         tiers = {"host": pb.TIER_HOST, "disk": pb.TIER_DISK}
         pools = [
             pb.PoolStats(
@@ -447,6 +449,10 @@ class DepotService(pb_grpc.BlockManagerServicer):
             remote_up=self.depot.remote.up,
             remote_queue_blocks=st.remote_queue_blocks,
             remote_jobs=st.remote_jobs,
+            oldest_op_age_ms=max(0, now - st.oldest_op_planned_ms) if st.oldest_op_planned_ms else 0,
+            oldest_ops=convert.oldest_ops(self.depot.ops.ops.values(), now, 10) if detail else [],
+            recent_failures=[pb.RecentFailure(unix_s=f.unix_s, kind=f.kind, engine_id=f.engine_id, message=f.message) for f in self.runtime.failures]
+            if detail else [],
         )
 
     @rpc

@@ -430,7 +430,7 @@ class PoolStats(_message.Message):
     def __init__(self, layout_class: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., block_bytes: _Optional[int] = ..., capacity_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., pinned_blocks: _Optional[int] = ..., in_flight_blocks: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("engines", "slots", "ops_in_flight", "pools", "counters", "host_bytes", "uptime_s", "mapped_engine_bytes", "mapped_ranks", "disk_bytes", "disk_dir", "disk_recovered_blocks", "disk_recovery_dropped_blocks", "disk_recovery_s", "remote", "remote_up", "remote_queue_blocks", "remote_jobs")
+    __slots__ = ("engines", "slots", "ops_in_flight", "pools", "counters", "host_bytes", "uptime_s", "mapped_engine_bytes", "mapped_ranks", "disk_bytes", "disk_dir", "disk_recovered_blocks", "disk_recovery_dropped_blocks", "disk_recovery_s", "remote", "remote_up", "remote_queue_blocks", "remote_jobs", "oldest_op_age_ms", "oldest_ops", "recent_failures")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +456,9 @@ class GetStatsResponse(_message.Message):
     REMOTE_UP_FIELD_NUMBER: _ClassVar[int]
     REMOTE_QUEUE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REMOTE_JOBS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_OP_AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_OPS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     engines: int
     slots: int
     ops_in_flight: int
@@ -474,7 +477,40 @@ class GetStatsResponse(_message.Message):
     remote_up: bool
     remote_queue_blocks: int
     remote_jobs: int
-    def __init__(self, engines: _Optional[int] = ..., slots: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., host_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., mapped_engine_bytes: _Optional[int] = ..., mapped_ranks: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_dir: _Optional[str] = ..., disk_recovered_blocks: _Optional[int] = ..., disk_recovery_dropped_blocks: _Optional[int] = ..., disk_recovery_s: _Optional[float] = ..., remote: _Optional[str] = ..., remote_up: _Optional[bool] = ..., remote_queue_blocks: _Optional[int] = ..., remote_jobs: _Optional[int] = ...) -> None: ...
+    oldest_op_age_ms: int
+    oldest_ops: _containers.RepeatedCompositeFieldContainer[OpInFlight]
+    recent_failures: _containers.RepeatedCompositeFieldContainer[RecentFailure]
+    def __init__(self, engines: _Optional[int] = ..., slots: _Optional[int] = ..., ops_in_flight: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., host_bytes: _Optional[int] = ..., uptime_s: _Optional[float] = ..., mapped_engine_bytes: _Optional[int] = ..., mapped_ranks: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_dir: _Optional[str] = ..., disk_recovered_blocks: _Optional[int] = ..., disk_recovery_dropped_blocks: _Optional[int] = ..., disk_recovery_s: _Optional[float] = ..., remote: _Optional[str] = ..., remote_up: _Optional[bool] = ..., remote_queue_blocks: _Optional[int] = ..., remote_jobs: _Optional[int] = ..., oldest_op_age_ms: _Optional[int] = ..., oldest_ops: _Optional[_Iterable[_Union[OpInFlight, _Mapping]]] = ..., recent_failures: _Optional[_Iterable[_Union[RecentFailure, _Mapping]]] = ...) -> None: ...
+
+class OpInFlight(_message.Message):
+    __slots__ = ("op_id", "kind", "engine_id", "request_id", "blocks", "age_ms", "state")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    kind: OpKind
+    engine_id: str
+    request_id: str
+    blocks: int
+    age_ms: int
+    state: str
+    def __init__(self, op_id: _Optional[int] = ..., kind: _Optional[_Union[OpKind, str]] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., blocks: _Optional[int] = ..., age_ms: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class RecentFailure(_message.Message):
+    __slots__ = ("unix_s", "kind", "engine_id", "message")
+    UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    unix_s: float
+    kind: str
+    engine_id: str
+    message: str
+    def __init__(self, unix_s: _Optional[float] = ..., kind: _Optional[str] = ..., engine_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("engine_id", "engine_name", "model", "layout", "namespace", "update_style", "slots", "lease_expires_unix_ms", "attached_ranks", "last_step")

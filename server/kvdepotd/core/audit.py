@@ -62,6 +62,7 @@ def stats(
         disk_used_bytes=disk.used_bytes,
         remote_queue_blocks=remote_queue,
         remote_jobs=remote_jobs,
+        oldest_op_planned_ms=min((op.planned_ms for op in ops.values()), default=0),
     )
 
 

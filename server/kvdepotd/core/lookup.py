@@ -77,6 +77,7 @@ def lookup(
         eng.pin_tokens += n
     matched = len(hit) * bs
     disk = sum(on_disk) * bs
+    counters["lookup_asked_tokens"] += offerable * bs if L % bs == 0 else 0  # the tokens the daemon could have served: hit rates' denominator
     counters["lookup_hit_tokens"] += matched
     counters["lookup_disk_hit_tokens"] += disk
     return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs, remote_query=tuple(query))

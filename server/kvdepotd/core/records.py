@@ -19,7 +19,7 @@ MAX_LEASE_MS = 3_600_000
 # Every counter the core keeps (exported as kvdepot_<name>_total, at 0 until it first moves).
 COUNTERS = (
     "engines_registered", "engines_unregistered", "leases_expired",
-    "lookups", "lookup_hit_tokens", "pins_expired",
+    "lookups", "lookup_asked_tokens", "lookup_hit_tokens", "pins_expired",
     "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
     "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks", "store_blocks_cancelled",
     "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
@@ -157,6 +157,7 @@ class DepotStats:
     disk_used_bytes: int
     remote_queue_blocks: int = 0  # admitted blocks waiting to be written to the remote store
     remote_jobs: int = 0  # store reads and writes running
+    oldest_op_planned_ms: int = 0  # the clock of the Step that planned the oldest op in flight (0: none)
 
 
 @dataclass(slots=True)
