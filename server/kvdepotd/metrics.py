@@ -139,6 +139,13 @@ class Metrics:
         )
         self._copy = {k: (self.copy_bytes.labels(k), self.copy_seconds.labels(k), self.copy_queued_seconds.labels(k)) for k in ("load", "store")}
         self._ops = {(k, ok): self.op_seconds.labels(k, "ok" if ok else "failed") for k in ("load", "store") for ok in (True, False)}
+        # Every known label value is exported from the start (at 0), so dashboards and alerts see
+        # a series before the first event rather than no data.
+        for op in ("read", "write"):
+            for family in (self.disk_io_bytes, self.disk_io_seconds, self.remote_io_bytes, self.remote_io_seconds):
+                family.labels(op)
+        for kind in ("timeout", "error", "missing", "corrupt", "lookup_timeout"):
+            self.remote_failures.labels(kind)
         self.recovery: Any = _NoRecovery()
         if depot is not None:
             self.registry.register(DepotCollector(depot, mapped_bytes, lambda: self.recovery))
