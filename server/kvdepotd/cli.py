@@ -48,9 +48,7 @@ def parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 if the daemon at ADDR answers SERVING (gRPC health check)")
     health.add_argument("address", nargs="?", default=config.DEFAULT_LISTEN, help=f"HOST:PORT or unix:PATH (default {config.DEFAULT_LISTEN})")
     health.add_argument("--timeout-s", type=float, default=3.0)
-    health.add_argument("--tls-ca", metavar="FILE", default="", help="TLS: the CA that signed the daemon's certificate (PEM)")
-    health.add_argument("--tls-cert", metavar="FILE", default="", help="TLS: this client's certificate, when the daemon asks for one")
-    health.add_argument("--tls-key", metavar="FILE", default="", help="TLS: the key of --tls-cert")
+    tls_arguments(health)
     status = sub.add_parser(
         "status", help="show a running daemon's engines, tiers, hit rates, ops in flight and failures (--watch refreshes, --json for scripts)"
     )
@@ -59,12 +57,17 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the snapshot as JSON (with --watch: one line per refresh)")
     status.add_argument("--token-file", metavar="FILE", default="", help="an admin or metrics token, for a daemon with tokens (admin: also the oldest ops and recent failures)")
     status.add_argument("--timeout-s", type=float, default=5.0)
-    status.add_argument("--tls-ca", metavar="FILE", default="", help="TLS: the CA that signed the daemon's certificate (PEM)")
-    status.add_argument("--tls-cert", metavar="FILE", default="", help="TLS: this client's certificate, when the daemon asks for one")
-    status.add_argument("--tls-key", metavar="FILE", default="", help="TLS: the key of --tls-cert")
+    tls_arguments(status)
     disk = sub.add_parser("check-disk", help="read every block a disk tier directory holds and check it as start-up would (run it with the daemon stopped); exits 1 when it finds damage")
     disk.add_argument("directory")
     return p
+
+
+def tls_arguments(p: argparse.ArgumentParser) -> None:
+    """For the commands that call a daemon over TCP with TLS."""
+    p.add_argument("--tls-ca", metavar="FILE", default="", help="TLS: the CA that signed the daemon's certificate (PEM)")
+    p.add_argument("--tls-cert", metavar="FILE", default="", help="TLS: this client's certificate, when the daemon asks for one")
+    p.add_argument("--tls-key", metavar="FILE", default="", help="TLS: the key of --tls-cert")
 
 
 def check_disk(directory: str) -> int:

@@ -44,6 +44,9 @@ from kvdepotd.transfer.mapping import RankMapping, populate
 log = logging.getLogger("kvdepotd")
 BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
 RECENT_FAILURES = 32  # failures kept for GetStats (kvdepotd status)
+TICK_S = 0.05
+REMOTE_CHECK_S = 1.0  # how often the remote store's health is checked
+Rank = tuple[EngineId, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +58,6 @@ class Failure:
     kind: str
     engine_id: str
     message: str
-TICK_S = 0.05
-REMOTE_CHECK_S = 1.0  # how often the remote store's health is checked
-Rank = tuple[EngineId, int]
 
 
 def now_ms() -> int:
@@ -146,11 +146,8 @@ class Runtime:
             if up:
                 log.info("remote tier: store %s answers (%s)", where, "cluster" if store.cluster else "one server")
             else:
-                log.warning(
-                    "remote tier: store %s does not answer (%s): lookups skip it and blocks are not written to it until it does",
-                    where, store.error or "no answer",
-                )
-                self.failed("remote_down", "", f"store {where} does not answer ({store.error or 'no answer'})")
+                self.failed("remote_down", "", f"remote tier: store {where} does not answer ({store.error or 'no answer'}): "
+                            "lookups skip it and blocks are not written to it until it does", warn=True)
         self.pump()
 
     async def close(self, grace_s: float) -> None:
@@ -182,8 +179,7 @@ class Runtime:
             await asyncio.sleep(TICK_S)
             try:
                 for gone in self.depot.expire(now_ms()):
-                    log.warning("engine %s lease expired: its slots, pins and ops were released", gone)
-                    self.failed("lease_expired", gone, "no heartbeat or call within its lease: its slots, pins and ops were released")
+                    self.failed("lease_expired", gone, f"engine {gone} lease expired: its slots, pins and ops were released", warn=True)
                     self._close_engine(gone, "engine lease expired")
                 self.depot.reclaim()
                 self.pump()
@@ -286,7 +282,11 @@ class Runtime:
     def attached_ranks(self, engine_id: EngineId) -> list[int]:
         return sorted(r for (eid, r) in self.channels if eid == engine_id)
 
-    def failed(self, kind: str, engine_id: str, message: str) -> None:
+    def failed(self, kind: str, engine_id: str, message: str, warn: bool = False) -> None:
+        """Keeps a failure for GetStats (kvdepotd status); `warn` logs it too (an op's failed
+        blocks are not logged: a remote miss or a late load makes them, which is no news)."""
+        if warn:
+            log.warning("%s", message)
         self.failures.append(Failure(time.time(), kind, engine_id, message))
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -319,9 +319,10 @@ class Runtime:
                 self.copy.cancel(ev.op.op_id)  # an op that ended early: its parts still queued or copying stop
                 msg.completed.append(convert.op_completed_pb(ev.op))
                 self.metrics.observe_op(ev.op.kind.value.lower(), ev.op.success, t - ev.op.planned_ms)
-                if not ev.op.success and not ev.op.cancelled:  # a cancelled store's request went back: no failure
-                    op = ev.op
-                    self.failed(op.kind.value.lower(), op.engine_id, f"op {op.op_id} of request {op.request_id}: {len(op.failed)} of {len(op.block_ids)} blocks failed: {op.message or 'no reason given'}")
+                op = ev.op
+                if not op.success and not op.cancelled:  # a cancelled store's request went back: no failure
+                    why = op.message or "no reason given"
+                    self.failed(op.kind.value.lower(), op.engine_id, f"op {op.op_id} of request {op.request_id}: {len(op.failed)} of {len(op.block_ids)} blocks failed: {why}")
             elif isinstance(ev, LoadCopied):
                 msg.copied.append(ev.op_id)
             else:
@@ -352,23 +353,20 @@ class Runtime:
             if d.copied is not None:
                 self.metrics.observe_copy(d.copied)
             if d.corrupt:
-                log.warning("op %d rank %d: %d blocks failed their checksum and were dropped", d.op_id, d.rank, len(d.corrupt))
-                self.failed("checksum", "", f"op {d.op_id} rank {d.rank}: {len(d.corrupt)} host-tier blocks failed their checksum and were dropped")
+                self.failed("checksum", "", f"op {d.op_id} rank {d.rank}: {len(d.corrupt)} blocks failed their checksum and were dropped", warn=True)
         self.depot.reclaim()  # while the engine runs its forward, not in its next Step
         self.pump()
 
     def _disk_done(self, job_id: int, failed: set[int], corrupt: set[int], message: str) -> None:
         self.depot.disk_job_done(job_id, failed, corrupt, message)  # type: ignore[arg-type]
         if corrupt:
-            log.warning("disk job %d: %d blocks failed their checksum and were dropped", job_id, len(corrupt))
-            self.failed("checksum", "", f"disk job {job_id}: {len(corrupt)} blocks failed their checksum and were dropped")
+            self.failed("checksum", "", f"disk job {job_id}: {len(corrupt)} blocks failed their checksum and were dropped", warn=True)
         self.pump()
 
     def _remote_done(self, job_id: int, failed: set[int], corrupt: set[int], present: set[int], message: str) -> None:
         self.depot.remote_job_done(job_id, failed, corrupt, present, message)  # type: ignore[arg-type]
         if corrupt:
-            log.warning("remote job %d: %d blocks were corrupt in the store (deleted there; recomputed)", job_id, len(corrupt))
-            self.failed("checksum", "", f"remote job {job_id}: {len(corrupt)} blocks were corrupt in the store (deleted there)")
+            self.failed("checksum", "", f"remote job {job_id}: {len(corrupt)} blocks were corrupt in the store (deleted there; recomputed)", warn=True)
         self.pump()
 
     def _close_engine(self, engine_id: EngineId, reason: str) -> None:

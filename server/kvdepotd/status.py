@@ -159,7 +159,8 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None = None) -> str:
             recent = "  " + _rate(t["hit_tokens"] - pt.get("hit_tokens", 0), d_asked)
         if name == "remote":
             state = "up" if t["up"] else "DOWN"
-            out.append(f"{name:<7} {state:>10} {t['address'][:21]:>21} {'queue ' + str(t['queue_blocks']):>15} {'jobs ' + str(t['jobs']):>8} {hit:>9}{recent}")
+            left = f"{name:<7} {state:>10}   write queue {t['queue_blocks']} blocks, {t['jobs']} jobs"
+            out.append(f"{left:<63}{hit:>9}{recent}  {t['address']}")
             continue
         use = _rate(t["used_bytes"], t["capacity_bytes"])
         out.append(
@@ -167,7 +168,8 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None = None) -> str:
         )
     total = _rate(lk["hit_tokens"], asked)
     recent_total = "  " + _rate(lk["hit_tokens"] - plk.get("hit_tokens", 0), d_asked) if interval else ""
-    out.append(f"{'all':<7} {lk['lookups']:>10} lookups, {asked} tokens asked, {lk['hit_tokens']} served {total:>9}{recent_total}")
+    left = f"{'all':<7} {lk['lookups']:>10} lookups, {asked} tokens asked, {lk['hit_tokens']} served"
+    out.append(f"{left:<63}{total:>9}{recent_total}")
 
     out.append("")
     engines = snap["engines"]
@@ -212,6 +214,9 @@ def main(args: Any) -> int:
     from kvdepot.auth import read_token
     from kvdepot.tls import Tls
 
+    if args.watch is not None and args.watch < 0.1 or args.timeout_s <= 0:
+        print("kvdepotd: --watch takes at least 0.1 seconds and --timeout-s more than 0", file=sys.stderr)
+        return 2
     try:
         token = read_token(args.token_file) if args.token_file else ""
     except ValueError as e:

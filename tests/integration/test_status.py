@@ -89,6 +89,9 @@ def test_status_with_tokens_and_against_nothing(tmp_path: Path) -> None:
     assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
     gone = subprocess.run([*STATUS, d.tcp, "--timeout-s", "1"], capture_output=True, text=True, timeout=30)
     assert gone.returncode == 1 and gone.stderr.startswith(f"kvdepotd at {d.tcp}: UNAVAILABLE")
+    for bad in (["--watch", "0"], ["--timeout-s", "-1"], ["--token-file", str(tmp_path / "missing")]):
+        out = subprocess.run([*STATUS, d.tcp, *bad], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 2 and out.stderr.startswith("kvdepotd: "), (bad, out.stderr)
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
