@@ -99,6 +99,9 @@ def test_compose_engine_restart_is_served_from_the_daemon() -> None:
         again = [complete(base, PREFIX + t) for t in TAILS]
         with DepotClient(daemon, strict=True) as c:
             after = dict(c.stats().counters)
+        print(json.dumps({"block_size": bs, "cached_before_restart": [n for _, n in first], "cached_after_restart": [n for _, n in again],
+                          "daemon_hit_tokens": after["lookup_hit_tokens"] - before["lookup_hit_tokens"],
+                          "daemon_loaded_blocks": after["loaded_blocks"] - before["loaded_blocks"]}))
         assert [o for o, _ in again] == [o for o, _ in first]
         assert again[0][1] >= len(PREFIX), again[0][1]  # the whole prefix from the daemon
         assert after["lookup_hit_tokens"] - before["lookup_hit_tokens"] >= len(PREFIX)
