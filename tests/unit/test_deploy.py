@@ -77,3 +77,24 @@ def test_kubernetes_pod() -> None:
     ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
     assert ports == {"grpc": 50061, "metrics": 9464} and daemon["livenessProbe"]["grpc"]["port"] == 50061
     assert pod["terminationGracePeriodSeconds"] >= 30
+
+
+def test_grafana_dashboard_is_well_formed() -> None:
+    """What Grafana's import needs (the queries themselves run against a real Prometheus in CI's
+    monitoring stage): unique panel ids, panels that do not overlap, every query on the chosen
+    data source and daemon."""
+    dash: dict[str, Any] = json.loads((ROOT / "deploy" / "grafana" / "kvdepot.json").read_text())
+    panels = dash["panels"]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not mine & cells, f"panel {p['title']!r} overlaps another"
+        cells |= mine
+        for t in p.get("targets", []):
+            assert t["datasource"]["uid"] == "${datasource}" and 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
+    names = {v["name"] for v in dash["templating"]["list"]}
+    assert names == {"datasource", "instance"}
