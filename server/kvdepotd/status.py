@@ -199,7 +199,7 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None = None) -> str:
     else:
         out.append("failures since start" + (" (+ in the last interval)" if interval else "") + ":")
         for k, v, d in moved:
-            out.append(f"  {k:<34} {v:>10}" + (f"  +{d}" if interval and d else ""))
+            out.append(f"  {k:<34} {v:>10}" + (f"  +{d}" if interval and d > 0 else ""))
     recent = snap["failures"]["recent"]
     if recent:
         out.append("recent failures (newest last):")
@@ -241,9 +241,11 @@ def main(args: Any) -> int:
                 now = None
             else:
                 assert now is not None
+                if prev is not None and now["uptime_s"] < prev["uptime_s"]:
+                    prev = None  # the daemon restarted: its counters started again
                 text = json.dumps(now) + "\n" if args.json else render(now, prev)
             if args.json:
-                sys.stdout.write(text)
+                (sys.stdout if now is not None else sys.stderr).write(text)  # stdout stays one JSON object a line
             else:
                 sys.stdout.write("\x1b[H\x1b[2J" + text + f"\nrefreshing every {args.watch:g}s; Ctrl-C quits\n")
             sys.stdout.flush()
