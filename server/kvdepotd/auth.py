@@ -81,7 +81,7 @@ class Tokens:
 
     def may_scrape(self, token: str | None) -> bool:
         """A metrics token or an admin token: /metrics names every namespace."""
-        return token is not None and (token in self._scrapers or ((c := self._callers.get(token)) is not None and c.admin))
+        return token is not None and (token in self._scrapers or self.is_admin(token))
 
     @property
     def namespaces(self) -> set[str]:

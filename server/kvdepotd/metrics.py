@@ -41,9 +41,10 @@ class DepotCollector(Collector):
         yield GaugeMetricFamily("kvdepot_engines", "registered engines", value=st.engines)
         yield GaugeMetricFamily("kvdepot_slots", "request slots", value=st.slots)
         yield GaugeMetricFamily("kvdepot_ops_in_flight", "load and store ops not yet ended", value=st.ops_in_flight)
-        now_ms = time.time() * 1000
-        age = (now_ms - st.oldest_op_planned_ms) / 1000 if st.oldest_op_planned_ms else 0.0
-        yield GaugeMetricFamily("kvdepot_oldest_op_age_seconds", "age of the oldest load or store op in flight (0: none)", value=max(0.0, age))
+        now_ms = int(time.time() * 1000)
+        yield GaugeMetricFamily(
+            "kvdepot_oldest_op_age_seconds", "age of the oldest load or store op in flight (0: none)", value=st.oldest_op_age_ms(now_ms) / 1000
+        )
         lease = GaugeMetricFamily(
             "kvdepot_engine_lease_remaining_seconds", "time until a registered engine's lease expires unless it calls or beats",
             labels=["engine_id", "engine_name", "namespace"],

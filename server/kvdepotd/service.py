@@ -449,7 +449,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
             remote_up=self.depot.remote.up,
             remote_queue_blocks=st.remote_queue_blocks,
             remote_jobs=st.remote_jobs,
-            oldest_op_age_ms=max(0, now - st.oldest_op_planned_ms) if st.oldest_op_planned_ms else 0,
+            oldest_op_age_ms=st.oldest_op_age_ms(now),
             oldest_ops=convert.oldest_ops(self.depot.ops.ops.values(), now, 10) if detail else [],
             recent_failures=[pb.RecentFailure(unix_s=f.unix_s, kind=f.kind, engine_id=f.engine_id, message=f.message) for f in self.runtime.failures]
             if detail else [],

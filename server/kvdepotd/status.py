@@ -71,7 +71,7 @@ def snapshot(health: str, stats: Any, engines: Any | None, now: float) -> dict[s
     sizes = {"host": stats.host_bytes, "disk": stats.disk_bytes}
     for p in stats.pools:
         name = {pb.TIER_HOST: "host", pb.TIER_DISK: "disk"}.get(p.tier, str(p.tier))
-        t = tiers.setdefault(name, {"capacity_bytes": sizes.get(name, 0), "used_bytes": 0, "used_blocks": 0, "pinned_blocks": 0, "in_flight_blocks": 0, "layout_classes": 0})
+        t = tiers.setdefault(name, _empty_tier(sizes.get(name, 0)))
         t["used_bytes"] += p.used_blocks * p.block_bytes
         t["used_blocks"] += p.used_blocks
         t["pinned_blocks"] += p.pinned_blocks
@@ -79,7 +79,7 @@ def snapshot(health: str, stats: Any, engines: Any | None, now: float) -> dict[s
         t["layout_classes"] += 1
     for name, size in sizes.items():
         if size:
-            tiers.setdefault(name, {"capacity_bytes": size, "used_bytes": 0, "used_blocks": 0, "pinned_blocks": 0, "in_flight_blocks": 0, "layout_classes": 0})
+            tiers.setdefault(name, _empty_tier(size))
     if stats.remote:
         tiers["remote"] = {"address": stats.remote, "up": stats.remote_up, "queue_blocks": stats.remote_queue_blocks, "jobs": stats.remote_jobs}
     hits = c.get("lookup_hit_tokens", 0)
@@ -117,6 +117,10 @@ def snapshot(health: str, stats: Any, engines: Any | None, now: float) -> dict[s
         },
         "counters": c,
     }
+
+
+def _empty_tier(capacity_bytes: int) -> dict[str, int]:
+    return {"capacity_bytes": capacity_bytes, "used_bytes": 0, "used_blocks": 0, "pinned_blocks": 0, "in_flight_blocks": 0, "layout_classes": 0}
 
 
 def _bytes(n: float) -> str:
@@ -229,7 +233,7 @@ def main(args: Any) -> int:
         except StatusError as e:
             print(e, file=sys.stderr)
             return 1
-        print(json.dumps(snap, indent=1) if args.json else render(snap), end="" if not args.json else "\n")
+        sys.stdout.write(json.dumps(snap, indent=1) + "\n" if args.json else render(snap))
         return 0
     prev: dict[str, Any] | None = None
     try:

@@ -28,6 +28,7 @@ from kvdepot.errors import NotFound
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.daemon import free_port
 from kvdepot.testing.valkey import ValkeyCluster
+from tests.integration.test_status import died_without_unregistering
 
 pytestmark = pytest.mark.monitoring
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,11 +147,7 @@ def test_prometheus_scrapes_a_real_daemon_and_every_query_has_data(stack: tuple[
     # the store; a refused call; an engine killed without unregistering (its lease expires).
     load = subprocess.Popen([sys.executable, "-m", "kvdepot.testing.workload", d.unix, "--seconds", "12", "--engines", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    doomed = (
-        "import os; from kvdepot import DepotClient, KvLayout\n"
-        f"c = DepotClient({d.tcp!r}); c.register_engine('m', KvLayout(2, 2, 8, 'float16', 16, kind='none'), name='doomed'); os._exit(0)\n"
-    )
-    subprocess.run([sys.executable, "-c", doomed], check=True, timeout=30)
+    died_without_unregistering(d.tcp)
     with DepotClient(d.tcp, strict=True) as c, pytest.raises(NotFound):
         c.slots("no-such-engine")  # an RPC answered with an error
     time.sleep(4)

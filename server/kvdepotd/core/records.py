@@ -159,6 +159,10 @@ class DepotStats:
     remote_jobs: int = 0  # store reads and writes running
     oldest_op_planned_ms: int = 0  # the clock of the Step that planned the oldest op in flight (0: none)
 
+    def oldest_op_age_ms(self, now_ms: int) -> int:
+        """How long the oldest op in flight has been, by the edge's clock (0: none)."""
+        return max(0, now_ms - self.oldest_op_planned_ms) if self.oldest_op_planned_ms else 0
+
 
 @dataclass(slots=True)
 class Engine:
