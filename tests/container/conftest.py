@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,7 +44,12 @@ def need_image(image: str) -> None:
 
 
 def volume_path(name: str) -> str:
-    return podman("volume", "inspect", name, "--format", "{{.Mountpoint}}").stdout.strip()
+    """The volume's folder on this machine, by a short symlink: a socket's path must fit in 108
+    bytes, and the volume's own path under a deep checkout's .containers/ does not always."""
+    mount = podman("volume", "inspect", name, "--format", "{{.Mountpoint}}").stdout.strip()
+    link = os.path.join(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"), "v")
+    os.symlink(mount, link)
+    return link
 
 
 def wait_serving(address: str, timeout_s: float = 60) -> None:
