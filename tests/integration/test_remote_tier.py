@@ -218,8 +218,7 @@ def test_a_store_down_at_start_and_back_later(tmp_path: str) -> None:
         vc.ports = [port]
         vc.dir = str(tmp_path)
         vc.procs = [None]
-        vc._spawn(0)
-        vc._wait_ping(port, 10)
+        vc.restart(0, 10)  # a server on the port the daemon was given
         wait_up(e.client)
         e.reset_prefix_cache()
         e.generate(PROMPT, max_new_tokens=2)  # sighted again: written now

@@ -21,9 +21,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdepot.testing.daemon import free_port
-
 SLOTS = 16384
+START_TRIES = 3  # a port picked free can be taken before the server binds it: pick again
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open together while picked, so no two repeat)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class PortTaken(RuntimeError):
+    """A server exited because its port was taken between picking and binding."""
 
 
 def server_binary() -> str:
@@ -106,15 +121,24 @@ class ValkeyCluster:
         self.stop()
 
     def start(self, timeout_s: float = 20.0) -> ValkeyCluster:
+        for attempt in range(START_TRIES):
+            try:
+                return self._start_once(timeout_s)
+            except PortTaken:
+                if attempt == START_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> ValkeyCluster:
         self.dir = tempfile.mkdtemp(prefix="kvdepot-valkey-")
-        self.ports = [free_port() for _ in range(self.primaries)]
-        self.bus_ports = [free_port() for _ in range(self.primaries)]  # the default, port + 10000, may not exist
+        ports = free_ports(2 * self.primaries)  # the bus's default, port + 10000, may not exist
+        self.ports, self.bus_ports = ports[: self.primaries], ports[self.primaries :]
         self.procs = [None] * self.primaries
         try:
             for i in range(self.primaries):
                 self._spawn(i)
-            for p in self.ports:
-                self._wait_ping(p, timeout_s)
+            for i in range(self.primaries):
+                self._wait_ping(i, timeout_s)
             if self.cluster:
                 self._form(timeout_s)
         except BaseException:
@@ -134,18 +158,31 @@ class ValkeyCluster:
         with open(os.path.join(d, "server.log"), "ab") as log:
             self.procs[i] = subprocess.Popen(args + self.args, stdout=log, stderr=subprocess.STDOUT, cwd=d)
 
-    @staticmethod
-    def _wait_ping(port: int, timeout_s: float) -> None:
+    def _wait_ping(self, i: int, timeout_s: float) -> None:
+        """Until server i answers PING; a server that exits instead is reported with its log's end
+        (PortTaken when it lost its port)."""
+        port, proc = self.ports[i], self.procs[i]
         end = time.monotonic() + timeout_s
         while True:
             try:
-                if command(port, "PING") == "PONG":
+                if command(port, "PING", timeout_s=0.5) == "PONG":  # short: the port's taker may never answer
                     return
             except OSError:
                 pass
+            if proc is not None and proc.poll() is not None:
+                log = self._log_tail(i)
+                error = PortTaken if "Address already in use" in log else RuntimeError
+                raise error(f"valkey on port {port} exited with {proc.returncode}; its log ends:\n{log}")
             if time.monotonic() > end:
-                raise RuntimeError(f"valkey on port {port} did not answer PING in {timeout_s} s")
+                raise RuntimeError(f"valkey on port {port} did not answer PING in {timeout_s} s; its log ends:\n{self._log_tail(i)}")
             time.sleep(0.02)
+
+    def _log_tail(self, i: int, lines: int = 8) -> str:
+        try:
+            with open(os.path.join(self.dir, str(i), "server.log"), errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
 
     def _form(self, timeout_s: float) -> None:
         n = self.primaries
@@ -175,7 +212,7 @@ class ValkeyCluster:
     def restart(self, i: int, timeout_s: float = 20.0) -> None:
         """Server `i` again on its port; in a cluster it keeps its node id and slots (nodes.conf)."""
         self._spawn(i)
-        self._wait_ping(self.ports[i], timeout_s)
+        self._wait_ping(i, timeout_s)
         if self.cluster:
             end = time.monotonic() + timeout_s
             while not all(self._sees_all(p) for p in self.ports):
