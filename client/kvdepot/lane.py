@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -74,6 +75,23 @@ def pick(address: str, lanes: Sequence[str]) -> Target | None:
 def unix_path(address: str) -> str:
     """The socket file of unix:PATH or unix:///abs/path (the daemon's side uses this too)."""
     return address[len("unix://") :] if address.startswith("unix://") else address[len("unix:") :]
+
+
+UNIX_PATH_MAX = 107  # bytes: sun_path holds 108 with the terminating NUL
+COMPANIONS = (".lane", ".handoff")  # the daemon's sockets beside a unix:PATH address
+
+
+def check_unix_path(path: str, companions: bool = False) -> None:
+    """ValueError when the socket path (with its longest companion, for the daemon) is over the
+    system's limit; gRPC would only say the target is not valid."""
+    longest = path + max(COMPANIONS, key=len) if companions else path
+    n = len(os.fsencode(longest))
+    if n > UNIX_PATH_MAX:
+        beside = f" with its {max(COMPANIONS, key=len)} socket beside it" if companions else ""
+        raise ValueError(
+            f"the Unix socket path {path}{beside} is {n} bytes, over the system's limit of {UNIX_PATH_MAX}: "
+            "use a shorter path (a symlink to its folder will do)"
+        )
 
 
 def recv_exactly(sock: socket.socket, n: int) -> memoryview:

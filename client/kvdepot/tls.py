@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from kvdepot.auth import interceptors
+from kvdepot.lane import check_unix_path, unix_path
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ def read_pem(path: str, what: str) -> bytes | None:
 
 
 def channel(address: str, tls: Tls | None, options: list[tuple[str, Any]], aio: bool = False, token: str = "") -> Any:
-    if tls is not None and address.startswith("unix:"):
-        raise ValueError(f"TLS is for TCP addresses; {address} is a Unix socket, which the daemon serves in plaintext")
+    if address.startswith("unix:"):
+        if tls is not None:
+            raise ValueError(f"TLS is for TCP addresses; {address} is a Unix socket, which the daemon serves in plaintext")
+        check_unix_path(unix_path(address))
     creds = tls.credentials() if tls is not None else None
     if aio:
         extra = interceptors(token, aio=True) if token else None

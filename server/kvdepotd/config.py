@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvdepot.lane import check_unix_path, unix_path
+
 DEFAULT_LISTEN = "127.0.0.1:50061"
 ENV_PREFIX = "KVDEPOT_"
 
@@ -210,7 +212,7 @@ def _listen(v: Any) -> tuple[str, ...]:
     if not items or not all(isinstance(s, str) and s for s in items):
         raise ValueError("expected one or more addresses")
     for s in items:
-        check_address(s)
+        check_address(s, companions=True)
     return tuple(items)
 
 
@@ -366,11 +368,13 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def check_address(addr: str) -> None:
-    """HOST:PORT (IPv6 as [::1]:PORT) or unix:PATH / unix:///abs/path."""
+def check_address(addr: str, companions: bool = False) -> None:
+    """HOST:PORT (IPv6 as [::1]:PORT) or unix:PATH / unix:///abs/path (short enough for the system,
+    with the lane and handoff sockets beside it when `companions`)."""
     if addr.startswith("unix:"):
         if len(addr) == len("unix:"):
             raise ValueError(f"{addr!r}: unix: needs a path")
+        check_unix_path(unix_path(addr), companions)
         return
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:

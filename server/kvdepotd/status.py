@@ -216,7 +216,7 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None = None) -> str:
 
 def main(args: Any) -> int:
     from kvdepot.auth import read_token
-    from kvdepot.tls import Tls
+    from kvdepot.tls import Tls, channel
 
     if args.watch is not None and args.watch < 0.1 or args.timeout_s <= 0:
         print("kvdepotd: --watch takes at least 0.1 seconds and --timeout-s more than 0", file=sys.stderr)
@@ -227,6 +227,11 @@ def main(args: Any) -> int:
         print(f"kvdepotd: {e}", file=sys.stderr)
         return 2
     tls = Tls.of(args.tls_ca, args.tls_cert, args.tls_key)
+    try:  # an address or TLS file that cannot work is a usage error, not a daemon to wait for
+        channel(args.address, tls, []).close()
+    except ValueError as e:
+        print(f"kvdepotd: {e}", file=sys.stderr)
+        return 2
     if args.watch is None:
         try:
             snap = fetch(args.address, token, tls, args.timeout_s)

@@ -92,6 +92,8 @@ def test_status_with_tokens_and_against_nothing(tmp_path: Path) -> None:
     for bad in (["--watch", "0"], ["--timeout-s", "-1"], ["--token-file", str(tmp_path / "missing")]):
         out = subprocess.run([*STATUS, d.tcp, *bad], capture_output=True, text=True, timeout=30)
         assert out.returncode == 2 and out.stderr.startswith("kvdepotd: "), (bad, out.stderr)
+    hopeless = subprocess.run([*STATUS, "unix:/tmp/" + "y" * 120 + "/s.sock", "--watch", "1"], capture_output=True, text=True, timeout=30)
+    assert hopeless.returncode == 2 and "over the system's limit of 107" in hopeless.stderr  # not retried forever
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

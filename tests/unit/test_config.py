@@ -36,6 +36,8 @@ def test_precedence_flags_over_env_over_file(tmp_path) -> None:  # type: ignore[
     [
         (["--host-gib", "-1"], {}, "--host-gib"),
         (["--listen", "nowhere"], {}, "HOST:PORT"),
+        (["--listen", "unix:/tmp/" + "x" * 88 + "/k.sock"], {}, "with its .handoff socket beside it is 108 bytes, over the system's limit of 107"),
+        ([], {"KVDEPOT_LISTEN": "unix:/tmp/" + "x" * 88 + "/k.sock"}, "KVDEPOT_LISTEN"),
         (["--log-level", "loud"], {}, "one of"),
         ([], {"KVDEPOT_LEASE_MS": "soon"}, "KVDEPOT_LEASE_MS"),
         (["--eviction-policy", "fifo"], {}, "leaf-lru"),
