@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         for name in cfg.__dataclass_fields__:
             print(f"{name} = {getattr(cfg, name)!r}")
+        for warning in cfg.warnings():
+            print(f"kvdepotd: warning: {warning}", file=sys.stderr)
         return check_tokens(cfg.auth_file) if cfg.auth_file else 0
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if cfg.log_format == "json" else logging.Formatter(TEXT_FORMAT, "%Y-%m-%dT%H:%M:%S"))

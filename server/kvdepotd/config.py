@@ -95,6 +95,21 @@ class DaemonConfig:
     def disk_bytes(self) -> int:
         return int(self.disk_gib * (1 << 30)) if self.disk_dir else 0
 
+    def warnings(self) -> list[str]:
+        """Settings that start but serve less than they seem to (logged at start, printed by
+        check-config). A tier is handed to layout classes in slabs that stay with their class."""
+        out = []
+        for tier, total, slab_mib, knobs in (
+            ("host", self.host_bytes, self.slab_mib, "host_gib or lower slab_mib"),
+            ("disk", self.disk_bytes, self.disk_slab_mib, "disk_gib or lower disk_slab_mib"),
+        ):
+            if 0 < total < 2 * (slab_mib << 20):
+                out.append(
+                    f"the {tier} tier ({total / (1 << 20):.0f} MiB) is less than two {slab_mib}-MiB slabs: the first layout class "
+                    f"(model, dtype, block size, parallelism) to store takes all of it, and engines of any other store nothing there; raise {knobs}"
+                )
+        return out
+
 
 
 HELP: dict[str, str] = {

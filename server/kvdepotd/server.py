@@ -312,6 +312,8 @@ class Daemon:
             "host tier %.2f GiB (%d-MiB slabs, %d + %d copy threads for loads + stores, stores at nice +%d), lease %d ms, op deadline %d ms, metrics %s",
             self.cfg.host_gib, self.cfg.slab_mib, self.cfg.copy_threads, self.cfg.copy_threads, self.cfg.store_nice, self.cfg.lease_ms, self.cfg.op_timeout_ms, self.metrics_address or "off",
         )
+        for warning in self.cfg.warnings():
+            log.warning("%s", warning)
         if self.cfg.disk_dir:
             log.info(
                 "disk tier %.2f GiB in %s (%s, admit after %d sightings, %s I/O, %d threads)",

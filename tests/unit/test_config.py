@@ -93,6 +93,19 @@ def test_json_log_lines_carry_the_exception() -> None:
     assert "ValueError: boom" in out["exception"] and "\n" not in JsonFormatter().format(record)
 
 
+def test_a_tier_of_less_than_two_slabs_is_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert load([]).warnings() == [] and load(["--host-gib", "0.125", "--disk-dir", str(tmp_path), "--disk-gib", "0.5"]).warnings() == []
+    small = load(["--host-gib", "0.05", "--disk-dir", str(tmp_path), "--disk-gib", "0.25", "--disk-slab-mib", "256"]).warnings()
+    assert small == [
+        "the host tier (51 MiB) is less than two 64-MiB slabs: the first layout class (model, dtype, block size, parallelism) "
+        "to store takes all of it, and engines of any other store nothing there; raise host_gib or lower slab_mib",
+        "the disk tier (256 MiB) is less than two 256-MiB slabs: the first layout class (model, dtype, block size, parallelism) "
+        "to store takes all of it, and engines of any other store nothing there; raise disk_gib or lower disk_slab_mib",
+    ]
+    assert cli.main(["check-config", "--host-gib", "0.05"]) == 0  # it starts: a warning, not an error
+    assert "kvdepotd: warning: the host tier (51 MiB) is less than two 64-MiB slabs" in capsys.readouterr().err
+
+
 def test_check_config_checks_the_tokens_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = tmp_path / "tokens.toml"
     good.write_text('admin = "admin-token-0123456789"\n[namespaces]\nteam-a = ["team-a-token-0123456789"]\n')
