@@ -84,12 +84,11 @@ COMPANIONS = (".lane", ".handoff")  # the daemon's sockets beside a unix:PATH ad
 def check_unix_path(path: str, companions: bool = False) -> None:
     """ValueError when the socket path (with its longest companion, for the daemon) is over the
     system's limit; gRPC would only say the target is not valid."""
-    longest = path + max(COMPANIONS, key=len) if companions else path
-    n = len(os.fsencode(longest))
+    beside = max(COMPANIONS, key=len) if companions else ""
+    n = len(os.fsencode(path + beside))
     if n > UNIX_PATH_MAX:
-        beside = f" with its {max(COMPANIONS, key=len)} socket beside it" if companions else ""
         raise ValueError(
-            f"the Unix socket path {path}{beside} is {n} bytes, over the system's limit of {UNIX_PATH_MAX}: "
+            f"the Unix socket path {path}{f' with its {beside} socket beside it' if beside else ''} is {n} bytes, over the system's limit of {UNIX_PATH_MAX}: "
             "use a shorter path (a symlink to its folder will do)"
         )
 

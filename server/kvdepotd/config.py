@@ -111,7 +111,6 @@ class DaemonConfig:
         return out
 
 
-
 HELP: dict[str, str] = {
     "listen": f"address to serve gRPC on: HOST:PORT or unix:PATH (repeatable; env: comma-separated). Default {DEFAULT_LISTEN}",
     "host_gib": "host-memory tier size in GiB (G2). Default 4",
