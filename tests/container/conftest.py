@@ -43,13 +43,22 @@ def need_image(image: str) -> None:
         pytest.skip(why)
 
 
-def volume_path(name: str) -> str:
-    """The volume's folder on this machine, by a short symlink: a socket's path must fit in 108
-    bytes, and the volume's own path under a deep checkout's .containers/ does not always."""
+def volume_path(name: str, within: str) -> str:
+    """The volume's folder on this machine, by a symlink in `within` (a `short_dir`): a socket's
+    path must fit in 108 bytes, and the volume's own path under a deep checkout's .containers/
+    does not always."""
     mount = podman("volume", "inspect", name, "--format", "{{.Mountpoint}}").stdout.strip()
-    link = os.path.join(tempfile.mkdtemp(prefix="kvt-", dir="/tmp"), "v")
+    link = os.path.join(within, name)
     os.symlink(mount, link)
     return link
+
+
+@pytest.fixture
+def short_dir() -> Iterator[str]:
+    """A folder on a short path for one test, removed after it."""
+    d = tempfile.mkdtemp(prefix="kvt-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def wait_serving(address: str, timeout_s: float = 60) -> None:

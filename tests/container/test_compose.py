@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,12 +53,13 @@ def complete(base: str, prompt: list[int]) -> tuple[list[Any], int]:
 
 
 @pytest.mark.timeout(900)
-def test_compose_engine_restart_is_served_from_the_daemon() -> None:
+def test_compose_engine_restart_is_served_from_the_daemon(tmp_path: Path) -> None:
     need_image(DAEMON_IMAGE)
     need_image(ENGINE_IMAGE)
     project = f"kvt{os.getpid()}"
     ports = {k: str(free_port()) for k in ("KVDEPOT_PORT", "KVDEPOT_LANE_PORT", "KVDEPOT_METRICS_PORT", "KVDEPOT_ENGINE_PORT")}
-    models = tempfile.mkdtemp(prefix="kvdepot-models-")
+    models = str(tmp_path / "models")
+    os.mkdir(models)
     # The test model, made by the engine image itself (random weights, a real tokenizer).
     podman("run", "--rm", "-v", f"{models}:/out", "--entrypoint", "python3", ENGINE_IMAGE, "-c",
            "from kvdepot.testing.tiny_llama import build_tiny_llama; build_tiny_llama('/out/tiny')", timeout=300)

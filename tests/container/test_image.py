@@ -46,7 +46,7 @@ def engine_at(address: str) -> FakeEngine:
 
 
 @pytest.mark.timeout(300)
-def test_image_serves_drains_and_keeps_its_disk_tier(volumes: dict[str, str]) -> None:
+def test_image_serves_drains_and_keeps_its_disk_tier(volumes: dict[str, str], short_dir: str) -> None:
     need_image(DAEMON_IMAGE)
     port, mport = free_port(), free_port()
     tcp = f"127.0.0.1:{port}"
@@ -66,7 +66,7 @@ def test_image_serves_drains_and_keeps_its_disk_tier(volumes: dict[str, str]) ->
         assert b"kvdepot_engines " in r.read()
 
     # A real engine round trip through the socket volume, as an engine container would make it.
-    sock = "unix:" + os.path.join(volume_path(volumes["sock"]), "kvdepotd.sock")
+    sock = "unix:" + os.path.join(volume_path(volumes["sock"], short_dir), "kvdepotd.sock")
     e = engine_at(sock)
     out = e.generate(PROMPT, max_new_tokens=2)
     e.reset_prefix_cache()
