@@ -10,6 +10,7 @@ See kvdepotd.handoff for the daemon's side and HandoffRequest in the proto for t
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -24,11 +25,26 @@ def handoff_path(address: str) -> str | None:
     return unix_path(address) + ".handoff" if address.startswith("unix:") else None
 
 
+def connect(sock: socket.socket, path: str, timeout_s: float) -> None:
+    """Connects within `timeout_s`. A Unix socket whose queue of connections not yet accepted is
+    full refuses a connect with a timeout at once (EAGAIN) rather than waiting for room: this
+    waits for room, so a flood of idle connections delays a worker's handoff but does not fail it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError from None
+            time.sleep(0.005)
+
+
 def hand_over(path: str, fds: Sequence[int], token: str = "", timeout_s: float = 5.0) -> list[str]:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(path)
+            connect(sock, path, timeout_s)
             ids: list[str] = []
             for k in range(0, len(fds), MAX_FDS):
                 part = list(fds[k : k + MAX_FDS])

@@ -146,7 +146,7 @@ class Handoffs:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
-            sock.listen(64)
+            sock.listen(MAX_CONNECTIONS)
             sock.setblocking(False)
         except OSError:
             sock.close()
@@ -206,7 +206,7 @@ class Handoffs:
                     if key.fileobj is self._wake_r:
                         self._wake_r.recv(64)
                     elif key.data is not None:
-                        self._accept(key.data)
+                        self._accept_all(key.data)
                     elif (c := self._conns.get(key.fd)) is not None:
                         self._readable(c)
                 now = time.monotonic()
@@ -219,11 +219,17 @@ class Handoffs:
             self._wake_r.close()
             self._wake_w.close()
 
-    def _accept(self, listener: socket.socket) -> None:
-        try:
-            sock, _ = listener.accept()
-        except OSError:
-            return
+    def _accept_all(self, listener: socket.socket) -> None:
+        """Empties the listener's queue (up to MAX_CONNECTIONS at a time): a queue left full makes a
+        worker's connect wait, however quickly idle connections are then closed."""
+        for _ in range(MAX_CONNECTIONS):
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # BlockingIOError: the queue is empty
+                return
+            self._accept(sock)
+
+    def _accept(self, sock: socket.socket) -> None:
         try:
             pid, uid = peer_of(sock)
         except OSError:

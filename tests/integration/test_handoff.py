@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 
 from kvdepot import DepotClient, KvLayout
 from kvdepot.handles import close_fds, share_cpu_tensors, share_cpu_tensors_memfd
-from kvdepot.handoff import hand_over, handoff_path
+from kvdepot.handoff import connect, hand_over, handoff_path
 from kvdepot.lane import FRAME, LocalRpcError, answer
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
@@ -252,6 +253,41 @@ def test_bad_handoffs_are_refused(depot: DaemonProcess) -> None:
         finally:
             close_fds(fds)
         assert c.stats().engines >= 1  # still serving
+
+
+def test_a_full_connect_queue_makes_a_handoff_wait_not_fail(tmp_path: Path) -> None:
+    """A Unix socket whose queue of connections not yet accepted is full refuses a connect with a
+    timeout at once (EAGAIN): a worker's handoff waits for room until its deadline instead."""
+    path = str(tmp_path / "s.handoff")
+    queued: list[socket.socket] = []
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        while True:  # fill the queue, as a flood of idle connections can while the daemon is busy
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(1)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        try:
+            with socket.socket(socket.AF_UNIX) as late:
+                t0 = time.monotonic()
+                with pytest.raises(LocalRpcError) as e:  # nobody makes room: the deadline, named
+                    hand_over(path, [0], timeout_s=0.3)
+                assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and "did not answer within" in e.value.details()
+                assert 0.3 <= time.monotonic() - t0 < 2.0
+                accepting = threading.Timer(0.3, lambda: queued.append(listener.accept()[0]))
+                accepting.start()
+                t0 = time.monotonic()
+                connect(late, path, 5.0)  # room is made after 0.3 s: connected then
+                assert 0.2 <= time.monotonic() - t0 < 4.0
+                accepting.join()
+        finally:
+            for s in queued:
+                s.close()
 
 
 def test_the_doorbell_reports_a_load_ahead_of_the_stream() -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -105,12 +107,27 @@ def test_idle_connections_cannot_starve_the_handoff_socket(depot: DaemonProcess)
         s = socket.socket(socket.AF_UNIX)
         s.connect(path)
         idle.append(s)
+    os.kill(depot.proc.pid, signal.SIGSTOP)  # a daemon too busy to accept: its queue fills up
+    resume = threading.Timer(0.3, os.kill, (depot.proc.pid, signal.SIGCONT))
+    try:
+        while True:
+            s = socket.socket(socket.AF_UNIX)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            idle.append(s)
+    finally:
+        resume.start()
     kv = torch.zeros(2, 3, 2, 16, 2, 8, dtype=torch.float16)
     _, fds = share_cpu_tensors_memfd([kv], num_blocks=2)
     try:
         t0 = time.monotonic()
-        assert len(hand_over(path, fds, timeout_s=5)) == 1  # a real worker's handoff gets in at once
-        assert time.monotonic() - t0 < 1.0
+        assert len(hand_over(path, fds, timeout_s=5)) == 1  # a real worker's handoff waits for room, then gets in
+        assert time.monotonic() - t0 < 1.5  # not after the idle connections' 2 s deadline
+        resume.join()
         idle[-1].settimeout(5)
         t0 = time.monotonic()
         assert idle[-1].recv(1) == b""  # an idle connection is closed within its deadline
