@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,9 +26,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_FOLDERS: list[str] = []  # every daemon's temporary folder (socket, log), removed when this process exits
+
+
+@atexit.register
+def _remove_folders() -> None:
+    for folder in _FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @dataclass
 class DaemonProcess:
-    """A kvdepotd child process. `tcp` and `unix` are addresses a client can use."""
+    """A kvdepotd child process. `tcp` and `unix` are addresses a client can use. Its temporary
+    folder (socket, log) stays until this process exits: a test may read the log after a stop, and
+    a daemon started again on the same `unix` address uses the same folder."""
 
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -50,6 +63,7 @@ class DaemonProcess:
 
     def _start(self, timeout_s: float) -> DaemonProcess:
         tmp = tempfile.mkdtemp(prefix="kvdepotd-")
+        _FOLDERS.append(tmp)
         self.tcp = self.tcp or f"127.0.0.1:{free_port()}"
         self.unix = self.unix or f"unix:{tmp}/kvdepotd.sock"
         self.log_path = os.path.join(tmp, "kvdepotd.log")
