@@ -1,6 +1,7 @@
 """Handing KV memory to a daemon reached at unix:PATH: memfd descriptors over unix:PATH.handoff.
 
     handoff_path(address)              the handoff socket beside a unix: address, else None
+    connect(sock, path, timeout_s)     connects, waiting for room in a full accept queue
     hand_over(path, fds, token)        the daemon's ids for the descriptors, in order; raises
                                        grpc.RpcError (LocalRpcError) as a gRPC call would
 
