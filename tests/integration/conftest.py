@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import time
 from collections.abc import Iterator
 
@@ -57,6 +58,21 @@ def drain_with_an_idle_client(what: str, lane: bool) -> DaemonProcess:
         assert c.step(b).degraded
     assert "Traceback" not in d.log()
     return d
+
+
+def fill_accept_queue(path: str) -> list[socket.socket]:
+    """Connects to the Unix socket at `path` until its queue of connections not yet accepted is
+    full (a connect that may not wait says EAGAIN); the caller closes the connections."""
+    queued: list[socket.socket] = []
+    while True:
+        s = socket.socket(socket.AF_UNIX)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            return queued
+        queued.append(s)
 
 
 def wait_counter(c: DepotClient, name: str, at_least: int, timeout_s: float = 10.0) -> int:

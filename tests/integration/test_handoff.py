@@ -31,7 +31,7 @@ from kvdepot.handoff import connect, hand_over, handoff_path
 from kvdepot.lane import FRAME, LocalRpcError, answer
 from kvdepot.testing import DaemonProcess, FakeEngine
 from kvdepot.v1 import kvdepot_pb2 as pb
-from tests.integration.conftest import attached_engine, close_engine, served_again
+from tests.integration.conftest import attached_engine, close_engine, fill_accept_queue, served_again
 
 pytestmark = pytest.mark.integration
 NOBODY = 65534
@@ -259,32 +259,23 @@ def test_a_full_connect_queue_makes_a_handoff_wait_not_fail(tmp_path: Path) -> N
     """A Unix socket whose queue of connections not yet accepted is full refuses a connect with a
     timeout at once (EAGAIN): a worker's handoff waits for room until its deadline instead."""
     path = str(tmp_path / "s.handoff")
-    queued: list[socket.socket] = []
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(path)
         listener.listen(1)
-        while True:  # fill the queue, as a flood of idle connections can while the daemon is busy
-            s = socket.socket(socket.AF_UNIX)
-            s.settimeout(1)
-            try:
-                s.connect(path)
-            except BlockingIOError:
-                s.close()
-                break
-            queued.append(s)
+        queued = fill_accept_queue(path)  # as a flood of idle connections can while the daemon is busy
         try:
+            t0 = time.monotonic()
+            with pytest.raises(LocalRpcError) as e:  # nobody makes room: the deadline, named
+                hand_over(path, [0], timeout_s=0.3)
+            assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and "did not answer within" in e.value.details()
+            assert 0.3 <= time.monotonic() - t0 < 2.0
+            accepting = threading.Timer(0.3, lambda: queued.append(listener.accept()[0]))
+            accepting.start()
             with socket.socket(socket.AF_UNIX) as late:
-                t0 = time.monotonic()
-                with pytest.raises(LocalRpcError) as e:  # nobody makes room: the deadline, named
-                    hand_over(path, [0], timeout_s=0.3)
-                assert e.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED and "did not answer within" in e.value.details()
-                assert 0.3 <= time.monotonic() - t0 < 2.0
-                accepting = threading.Timer(0.3, lambda: queued.append(listener.accept()[0]))
-                accepting.start()
                 t0 = time.monotonic()
                 connect(late, path, 5.0)  # room is made after 0.3 s: connected then
                 assert 0.2 <= time.monotonic() - t0 < 4.0
-                accepting.join()
+            accepting.join()
         finally:
             for s in queued:
                 s.close()

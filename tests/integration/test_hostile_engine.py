@@ -20,7 +20,7 @@ from kvdepot import DepotClient, KvLayout, ResourceExhausted, StepBatch
 from kvdepot.handles import close_fds, share_cpu_tensors_memfd
 from kvdepot.handoff import hand_over, handoff_path
 from kvdepot.testing import DaemonProcess
-from tests.integration.conftest import attached_engine, close_engine, served_again
+from tests.integration.conftest import attached_engine, close_engine, fill_accept_queue, served_again
 
 pytestmark = pytest.mark.integration
 LAY = KvLayout(num_layers=3, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")
@@ -110,15 +110,7 @@ def test_idle_connections_cannot_starve_the_handoff_socket(depot: DaemonProcess)
     os.kill(depot.proc.pid, signal.SIGSTOP)  # a daemon too busy to accept: its queue fills up
     resume = threading.Timer(0.3, os.kill, (depot.proc.pid, signal.SIGCONT))
     try:
-        while True:
-            s = socket.socket(socket.AF_UNIX)
-            s.setblocking(False)
-            try:
-                s.connect(path)
-            except BlockingIOError:
-                s.close()
-                break
-            idle.append(s)
+        idle += fill_accept_queue(path)
     finally:
         resume.start()
     kv = torch.zeros(2, 3, 2, 16, 2, 8, dtype=torch.float16)
