@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.instance import Instance
 from kvdepot.layout import KvLayout
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.trtllm import LlmRequest, RequestData, SchedulerOutput
-from kvdepot.trtllm.common import Rendezvous, TrtllmMeta
+from kvdepot.trtllm.common import TrtllmMeta
 from kvdepot.trtllm.scheduler import SchedulerSide
 
 BS = 16
@@ -38,9 +38,9 @@ def main() -> int:
     n = args.requests
     d = DaemonProcess(args=["--host-gib", "0.25"]).start()
     try:
-        key = f"bench-trtllm-{os.getpid()}"
-        Rendezvous.publish(key, KvLayout(num_layers=2, num_kv_heads=1, head_size=1024, dtype="float16", block_size=BS, kind="trtllm"))
-        side = SchedulerSide(ConnectorConfig(address=d.tcp, step_timeout_ms=2000, lookup_timeout_ms=2000), "bench-model", key, BS)
+        instance = Instance.of(args)  # the layout rank 0's worker would have published
+        instance.publish(KvLayout(num_layers=2, num_kv_heads=1, head_size=1024, dtype="float16", block_size=BS))  # kind "none": the daemon plans every store, moves no bytes
+        side = SchedulerSide(ConnectorConfig(address=d.tcp, step_timeout_ms=2000, lookup_timeout_ms=2000), "bench-model", instance, BS)
         reqs, tables, blocks = [], {}, iter(range(10**9))
         new = SchedulerOutput()
         for i in range(n):

@@ -57,9 +57,10 @@ class AsyncDepotClient(ClientCore):
         engine_key: str = "",
         late_load_checks: bool = False,
         keep_trying: bool = False,
+        join: bool = False,
     ) -> str:
         """As DepotClient.register_engine."""
-        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks)
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks, join)
         await self._try_register(raise_errors=True, keep_trying=keep_trying)
         if self._keeper is None:
             self._keeper = asyncio.get_running_loop().create_task(self._keep())

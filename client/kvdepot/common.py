@@ -131,21 +131,28 @@ class ClientCore:
         return self._step
 
     def _start_registration(
-        self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int, key: str, late_load_checks: bool
+        self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int, key: str, late_load_checks: bool,
+        join: bool = False,
     ) -> None:
         layout.validate()
-        self._reg = Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key, late_load_checks))
+        if join and not key:
+            raise ValueError("a join names the engine's key")
+        self._reg = Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key, late_load_checks, join))
 
     def _registration_failed(self, e: grpc.RpcError, raise_errors: bool, keep_trying: bool = True) -> bool:
-        """False when the daemon did not answer and the keeper retries (said once, naming the
-        address, when it is the first try); raises a rejection when asked, and an unanswered first
-        try unless `keep_trying`."""
+        """False when the daemon did not answer, or a join found no engine yet, and the keeper
+        retries (said once, naming the address, when it is the first try); raises a rejection when
+        asked, and an unanswered first try unless `keep_trying`."""
         if e.code() in MISSES and keep_trying and not (raise_errors and self.strict):
             if raise_errors:
                 log.warning(
                     "kvdepot: kvdepotd at %s did not answer (%s); going on without the cache, registering in the background",
                     self.address, e.code().name,
                 )
+            return False
+        if e.code() is grpc.StatusCode.NOT_FOUND and keep_trying and self._reg is not None and self._reg.req.join:
+            # Its creator has not registered the engine (again, after a daemon restart) yet: the keeper tries again.
+            log.debug("kvdepot: the engine to join is not registered (yet): %s", e.details())
             return False
         if raise_errors:
             raise from_rpc_error(e, self.address) from None

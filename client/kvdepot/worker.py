@@ -186,7 +186,10 @@ class WorkerLink:
         backoff = 0.05
         while not self._closed:
             engine_id = self.client.engine_id
-            if not engine_id or not self._register_kv(engine_id):
+            if not engine_id:  # the engine is not registered (yet): it may be any moment (a join waits for its creator)
+                time.sleep(0.05)
+                continue
+            if not self._register_kv(engine_id):
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue

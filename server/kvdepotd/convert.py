@@ -172,6 +172,7 @@ def engine_info(eng: Engine, ranks: list[int]) -> pb.EngineInfo:
         lease_expires_unix_ms=eng.lease_expires_ms,
         attached_ranks=ranks,
         last_step=max(eng.last_step, 0),
+        mapped_ranks=sorted(eng.mapped),
     )
 
 

@@ -46,6 +46,7 @@ BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is att
 RECENT_FAILURES = 32  # failures kept for GetStats (kvdepotd status)
 TICK_S = 0.05
 REMOTE_CHECK_S = 1.0  # how often the remote store's health is checked
+UNMAPPED_GRACE_MS = 10_000  # an engine's ranks register their memory within this of its registration, or it is said
 Rank = tuple[EngineId, int]
 
 
@@ -99,6 +100,12 @@ class Runtime:
         self._flush = False
         self._ticker: asyncio.Task[None] | None = None
         self._populating: set[asyncio.Task[None]] = set()
+        self._unmapped_noted: dict[EngineId, bool] = {}  # engines told about once for a rank's memory not mapped
+        # Ops that ended while a copy thread still held one of their parts: the workers hear of the
+        # end (and of their request's release) once the parts stopped, so that an engine never
+        # reuses blocks a copy still touches.
+        self._held: dict[OpId, tuple[EngineId, pb.WorkerEvent.OpCompleted]] = {}
+        self._held_releases: set[tuple[EngineId, str]] = set()
         self._stop_populating = threading.Event()
 
     def attach_disk(self, store: DiskStore, threads: int) -> None:
@@ -225,6 +232,7 @@ class Runtime:
         t = now_ms()
         res = self.depot.lookup(engine_id, request_id, tokens, now_ms=t, **kw)
         self.depot.renew_lease(engine_id, t)
+        self._note_unmapped(engine_id)
         if res.remote_query and self.remote is not None:
             eng = self.depot.engine(engine_id)
             pin = eng.pins.get(request_id)
@@ -240,6 +248,7 @@ class Runtime:
         t = now_ms()
         plan = self.depot.step(engine_id, step, columns, finished, preempted, t)
         self.depot.renew_lease(engine_id, t)
+        self._note_unmapped(engine_id)
         self.pump()
         return plan
 
@@ -253,11 +262,28 @@ class Runtime:
     def add_mapping(self, mapping: RankMapping) -> None:
         """A rank's mapped KV memory: copies may use it now; its pages are faulted in meanwhile
         (not awaited: a copy that comes first faults its own pages in)."""
+        engine_id = EngineId(mapping.engine_id)
         self.copy.add_mapping(mapping)
-        self.depot.renew_lease(EngineId(mapping.engine_id), now_ms())
+        self.depot.rank_mapped(engine_id, mapping.rank)
+        self.depot.renew_lease(engine_id, now_ms())
+        eng = self.depot.engine(engine_id)
+        if eng.mapped_in_full and self._unmapped_noted.pop(engine_id, None) is not None:
+            log.info("engine %s: every rank's KV memory is mapped now: lookups may hit and blocks are stored", engine_id)
         task = asyncio.get_running_loop().create_task(self._populate(mapping))
         self._populating.add(task)
         task.add_done_callback(self._populating.discard)
+
+    def _note_unmapped(self, engine_id: EngineId) -> None:
+        """Says once per engine that a rank's memory is not mapped yet, so it gets no hits."""
+        eng = self.depot.engine(engine_id)
+        if eng.mapped_in_full or engine_id in self._unmapped_noted or now_ms() - eng.registered_ms < UNMAPPED_GRACE_MS:
+            return
+        missing = sorted(set(range(eng.layout.world_size)) - eng.mapped)
+        self._unmapped_noted[engine_id] = True
+        self.failed(
+            "unmapped", engine_id, f"engine {engine_id} ({eng.name!r}): rank(s) {missing} have not registered their KV memory: "
+            "lookups miss and nothing is stored until they do (was the worker's share refused or did it fail? see its log)", warn=True,
+        )
 
     def clear(self, host: bool, disk: bool) -> tuple[int, int]:
         out = self.depot.clear(host=host, disk=disk)
@@ -295,6 +321,8 @@ class Runtime:
             return
         self._pumping = True
         try:
+            for op_id in self.depot.take_cancels():
+                self.copy.cancel(op_id)
             parts = self.depot.take_ready()
             while parts:
                 self.copy.submit(parts)
@@ -316,8 +344,12 @@ class Runtime:
             if msg is None:
                 msg = batches[ev.engine_id] = pb.WorkerEvent()
             if isinstance(ev, OpCompleted):
-                self.copy.cancel(ev.op.op_id)  # an op that ended early: its parts still queued or copying stop
-                msg.completed.append(convert.op_completed_pb(ev.op))
+                done = convert.op_completed_pb(ev.op)
+                if self.copy.busy(ev.op.op_id):  # it ended early (deadline, finished request): its parts stop first
+                    self.copy.cancel(ev.op.op_id)
+                    self._held[ev.op.op_id] = (ev.engine_id, done)
+                else:
+                    msg.completed.append(done)
                 self.metrics.observe_op(ev.op.kind.value.lower(), ev.op.success, t - ev.op.planned_ms)
                 op = ev.op
                 if not op.success and not op.cancelled:  # a cancelled store's request went back: no failure
@@ -325,10 +357,16 @@ class Runtime:
                     self.failed(op.kind.value.lower(), op.engine_id, f"op {op.op_id} of request {op.request_id}: {len(op.failed)} of {len(op.block_ids)} blocks failed: {why}")
             elif isinstance(ev, LoadCopied):
                 msg.copied.append(ev.op_id)
+            elif self._holds(ev.engine_id, ev.request_id):
+                self._held_releases.add((ev.engine_id, ev.request_id))
             else:
                 msg.released.append(ev.request_id)
         for engine_id, msg in batches.items():
-            self._route(engine_id, msg)
+            if msg.ByteSize():  # not when all it had was held
+                self._route(engine_id, msg)
+
+    def _holds(self, engine_id: EngineId, request_id: str) -> bool:
+        return any(e == engine_id and c.request_id == request_id for e, c in self._held.values())
 
     def _route(self, engine_id: EngineId, msg: pb.WorkerEvent) -> None:
         """Every rank of the engine gets the batch (each must know of every op's end)."""
@@ -350,6 +388,15 @@ class Runtime:
     def _parts_done(self, done: list[PartDone]) -> None:
         for d in done:
             self.depot.complete_part(OpId(d.op_id), d.rank, d.failed, d.message, d.corrupt)
+            held = self._held.get(OpId(d.op_id))
+            if held is not None and not self.copy.busy(OpId(d.op_id)):  # its last part stopped: now the workers hear
+                del self._held[OpId(d.op_id)]
+                engine_id, done = held
+                msg = pb.WorkerEvent(completed=[done])
+                if (engine_id, done.request_id) in self._held_releases and not self._holds(engine_id, done.request_id):
+                    self._held_releases.discard((engine_id, done.request_id))
+                    msg.released.append(done.request_id)
+                self._route(engine_id, msg)
             if d.copied is not None:
                 self.metrics.observe_copy(d.copied)
             if d.corrupt:
@@ -371,6 +418,7 @@ class Runtime:
 
     def _close_engine(self, engine_id: EngineId, reason: str) -> None:
         self.copy.forget_engine(engine_id)
+        self._unmapped_noted.pop(engine_id, None)
         for key in [k for k in self.channels if k[0] == engine_id]:
             self.channels.pop(key).close(reason)
         for key in [k for k in self.backlog if k[0] == engine_id]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import os
 import socket
@@ -31,6 +32,11 @@ from kvdepotd.transfer.mapping import map_rank
 from kvdepotd.wire import BadMessage
 
 log = logging.getLogger("kvdepotd")
+
+
+def key_fingerprint(key: str) -> str:
+    """What the log says of an engine key: a connector's key holds its instance's secret."""
+    return hashlib.blake2b(key.encode(), digest_size=4).hexdigest() if key else "none"
 T = TypeVar("T")
 AUDIT_S = 10.0  # a refused token is logged at most this often per method and kind of refusal
 
@@ -167,10 +173,11 @@ class DepotService(pb_grpc.BlockManagerServicer):
             lease_ms=request.lease_ms,
             key=request.engine_key,
             late_load_checks=request.late_load_checks,
+            join=request.join,
         )
         engine_id = eng.engine_id
         if joined:
-            log.info("engine %s joined by another process (name=%r key=%r)", engine_id, request.engine_name, request.engine_key)
+            log.info("engine %s joined by another process (name=%r, key %s)", engine_id, request.engine_name, key_fingerprint(request.engine_key))
         else:
             log.info(
                 "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s late_load_checks=%s",

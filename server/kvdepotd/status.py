@@ -23,7 +23,7 @@ FAILURE_COUNTERS = (
     "load_failed_blocks", "store_failed_blocks", "checksum_failures", "disk_checksum_failures", "remote_checksum_failures",
     "ops_expired", "leases_expired", "pins_expired", "disk_write_failed_blocks", "disk_read_failed_blocks", "disk_full",
     "remote_write_failed_blocks", "remote_read_failed_blocks", "remote_dropped_store_down_blocks", "remote_dropped_queue_full_blocks",
-    "store_blocks_tier_full", "disk_write_missed_blocks",
+    "store_blocks_tier_full", "disk_write_missed_blocks", "lookups_unmapped", "store_blocks_unmapped",
 )
 TIER_HITS = {"host": None, "disk": "lookup_disk_hit_tokens", "remote": "lookup_remote_hit_tokens"}
 
@@ -95,6 +95,7 @@ def snapshot(health: str, stats: Any, engines: Any | None, now: float) -> dict[s
             {
                 "engine_id": e.engine_id, "name": e.engine_name, "model": e.model, "namespace": e.namespace,
                 "ranks_attached": len(e.attached_ranks), "world_size": e.layout.world_size or 1, "slots": e.slots,
+                "ranks_mapped": len(e.mapped_ranks) if e.layout.kind != pb.KV_LAYOUT_KIND_UNSPECIFIED else None,
                 "lease_s": round(max(0.0, e.lease_expires_unix_ms / 1000 - now), 1), "last_step": e.last_step,
             }
             for e in engines
@@ -186,7 +187,9 @@ def render(snap: dict[str, Any], prev: dict[str, Any] | None = None) -> str:
         for e in engines:
             ranks = f"{e['ranks_attached']}/{e['world_size']}"
             lease = _age(e["lease_s"])
-            out.append(f"  {e['engine_id'][:22]:<22} {e['name'][:16]:<16} {e['namespace'][:12]:<12} {ranks:>5} {e['slots']:>6} {lease:>7} {e['last_step']:>8}  {e['model']}")
+            waiting = e.get("ranks_mapped") is not None and e["ranks_mapped"] < e["world_size"]
+            note = f"  [memory of {e['ranks_mapped']}/{e['world_size']} ranks mapped: no hits, no stores]" if waiting else ""
+            out.append(f"  {e['engine_id'][:22]:<22} {e['name'][:16]:<16} {e['namespace'][:12]:<12} {ranks:>5} {e['slots']:>6} {lease:>7} {e['last_step']:>8}  {e['model']}{note}")
 
     ops = snap["ops"]
     out.append("")

@@ -15,7 +15,7 @@ from kvdepot.testing.kv import FakeKv
 from kvdepotd.convert import rank_spec
 from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted
 from kvdepotd.core.ops import EngineId, OpId, OpKind, RequestId
-from kvdepotd.core.slots import SlotUpdate, UpdateStyle
+from kvdepotd.core.slots import SlotUpdate, StepColumns, UpdateStyle
 from kvdepotd.storage.host_arena import HostArena
 from kvdepotd.transfer import host
 from kvdepotd.transfer.base import PartDone
@@ -50,6 +50,7 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
         kv = FakeKv(LAYOUT, num_blocks=8)
         [req] = kv.share()
         copy.add_mapping(map_rank(E, LAYOUT, rank_spec(req)))
+        depot.rank_mapped(E, 0)
         toks = list(range(40, 73))  # 33 tokens: blocks 0 and 1 are full
         kv.write([0, 1, 2], toks, range(33))
         depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 33, tokens_to_bytes(toks), (0, 1, 2))], [], [], 0)
@@ -111,6 +112,7 @@ async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Op
     kv = FakeKv(LAYOUT, num_blocks=32)
     [req] = kv.share()
     copy.add_mapping(map_rank(E, LAYOUT, rank_spec(req)))
+    depot.rank_mapped(E, 0)
     a = list(range(1000, 1065))  # 4 full blocks
     b = list(range(2000, 2129))  # 8 full blocks
     kv.write([0, 1, 2, 3, 4], a, range(65))
@@ -174,6 +176,7 @@ def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> 
         kv = FakeKv(LAYOUT, num_blocks=8)
         [req] = kv.share()
         copy.add_mapping(map_rank(E, LAYOUT, rank_spec(req)))
+        depot.rank_mapped(E, 0)
         toks = list(range(40, 73))
         kv.write([0, 1, 2], toks, range(33))
         depot.step(E, 1, [SlotUpdate(RequestId("a"), True, 0, 33, tokens_to_bytes(toks), (0, 1, 2))], [], [], 0)
@@ -233,3 +236,67 @@ def test_populate_faults_a_fresh_mapping_in() -> None:
         assert _rss_kib(addr) >= size_kib
     finally:
         kv.close()
+
+
+def test_an_op_that_ends_while_its_copy_runs_is_reported_once_the_copy_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load whose deadline passes while a copy thread is inside one of its blocks: the workers
+    hear that it ended (and that its finished request is released) only once that thread has let go
+    of the block, so the engine never hands blocks to another request while a copy writes them."""
+    from kvdepotd.metrics import Metrics
+    from kvdepotd.runtime import Runtime, WorkerChannel
+
+    inside, let_go = threading.Event(), threading.Event()
+    real_move = HostCopyEngine._move
+
+    def move(self: HostCopyEngine, m: object, bid: int, hoff: int, nbytes: int, to_host: bool, want_hash: bool) -> int | None:
+        if not to_host:  # a load's block: held inside the copy until the test lets go
+            inside.set()
+            let_go.wait(5)
+        return real_move(self, m, bid, hoff, nbytes, to_host, want_hash)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HostCopyEngine, "_move", move)
+
+    async def main() -> None:
+        depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
+        rt = Runtime(depot, Metrics(depot), HostArena(1 << 20), copy_threads=1)
+        rt.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=600_000)
+        kv = FakeKv(LAYOUT, num_blocks=8)
+        [req] = kv.share()
+        rt.add_mapping(map_rank(E, LAYOUT, rank_spec(req)))
+        ch = WorkerChannel()
+        rt.attach((E, 0), ch)
+        toks = list(range(40, 73))
+        kv.write([0, 1, 2], toks, range(33))
+        rt.step(E, 1, StepColumns.of([SlotUpdate(RequestId("a"), True, 0, 33, tokens_to_bytes(toks), (0, 1, 2))]), [], [])
+        rt.forward_done(E, 0, 1)
+        while depot.ops.ops:
+            await asyncio.sleep(0.01)
+        assert (await rt.lookup(E, RequestId("b"), tokens_to_bytes(toks), cache_salt="", lora_name="", device_matched_tokens=0, pin_ms=0)).matched_tokens == 32
+        plan = rt.step(E, 2, StepColumns.of([SlotUpdate(RequestId("b"), True, 32, 1, tokens_to_bytes(toks), (4, 5, 6), 0, 32)]), [RequestId("a")], [])
+        [load] = plan.ops
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        while not ch.queue.empty():
+            ch.queue.get_nowait()
+        rt.step(E, 3, StepColumns.of([]), [RequestId("b")], [])  # b finishes (cancelled) while its load copies
+        depot.expire(load.deadline_ms + 1)  # and the load's deadline passes
+        rt.pump()
+        await asyncio.sleep(0.1)
+        early = []
+        while not ch.queue.empty():
+            early.append(ch.queue.get_nowait())
+        assert early == [], early  # the copy thread is still inside a block of the engine's
+        let_go.set()
+        events = []
+        for _ in range(100):
+            while not ch.queue.empty():
+                events.append(ch.queue.get_nowait())
+            if any(e.released for e in events):
+                break
+            await asyncio.sleep(0.01)
+        assert [c.op_id for e in events for c in e.completed] == [load.op_id]
+        assert [r for e in events for r in e.released] == ["b"]
+        await rt.stop_engines()
+        kv.close()
+
+    asyncio.run(main())

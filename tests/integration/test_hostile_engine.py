@@ -131,17 +131,16 @@ def test_idle_connections_cannot_starve_the_handoff_socket(depot: DaemonProcess)
 
 
 def test_lookup_pins_and_slots_are_capped(depot: DaemonProcess) -> None:
-    with DepotClient(depot.tcp, strict=True, deadline_s=5.0) as c, DepotClient(depot.tcp, strict=True, deadline_s=5.0) as c2:
-        e = attached_engine(depot, LAY, "pinner")
-        prompt = list(range(50_000, 50_000 + 4 * 16 + 1))
-        e.generate(prompt, max_new_tokens=1)
-        c.register_engine("pinner", LAY)
+    e = attached_engine(depot, LAY, "pinner")
+    prompt = list(range(50_000, 50_000 + 4 * 16 + 1))
+    e.generate(prompt, max_new_tokens=1)
+    # Two more engines of the model, their memory mapped (else a lookup offers nothing), only looking up.
+    with attached_engine(depot, LAY, "pinner").client as c, attached_engine(depot, LAY, "pinner").client as c2:
         for k in range(3):
             assert c.lookup(f"r{k}", prompt).matched_tokens == 64
         assert c.lookup("r0", prompt).matched_tokens == 64  # a repeated lookup replaces its own pin
         with pytest.raises(ResourceExhausted, match=r"holds 3 lookup pins, the most one engine may \(max_pins_per_engine\)"):
             c.lookup("r3", prompt)
-        c2.register_engine("pinner", LAY)
         for k in range(2):
             c2.lookup(f"q{k}", prompt)
         with pytest.raises(ResourceExhausted, match=r"namespace '' holds 5 lookup pins, the most one namespace may \(max_pins_per_namespace\)"):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -64,6 +65,21 @@ def counters(ex: StandInExecutor) -> dict[str, int]:
     assert c is not None, "the connector never connected"
     base = _baseline.get(id(ex), {})
     return {k: v - base.get(k, 0) for k, v in c.stats().counters.items()}
+
+
+def mapped_ranks(ex: StandInExecutor) -> list[int]:
+    """The ranks of `ex`'s engine whose KV memory the daemon has mapped."""
+    c = ex.scheduler.side.client
+    assert c is not None and c.engine_id, "the connector never connected"
+    (info,) = [e for e in c.engines() if e.engine_id == c.engine_id]
+    return sorted(info.mapped_ranks)
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
 
 
 def generated(ex: StandInExecutor, rid: int) -> list[int]:

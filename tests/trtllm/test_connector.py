@@ -14,7 +14,7 @@ import pytest
 from kvdepot.testing import DaemonProcess, free_port
 from kvdepot.testing.trtllm import LlmRequestState
 from kvdepot.testing.trtllm_executor import StandInExecutor
-from tests.trtllm.conftest import BS, Make, counters, generated, prompt
+from tests.trtllm.conftest import BS, Make, counters, generated, mapped_ranks, prompt, wait_until
 
 
 def served_twice(ex: StandInExecutor, p: list[int], max_new: int = 4) -> tuple[int, int]:
@@ -26,7 +26,7 @@ def served_twice(ex: StandInExecutor, p: list[int], max_new: int = 4) -> tuple[i
     b = ex.add(p, max_new)
     ex.run()
     assert generated(ex, b.request_id) == generated(ex, a.request_id)
-    assert ex.bad_kv == {a.request_id: [], b.request_id: []}
+    assert ex.bad_kv[a.request_id] == [] and ex.bad_kv[b.request_id] == []
     return a.request_id, b.request_id
 
 
@@ -185,17 +185,21 @@ def test_k_only_pool_round_trips_and_never_meets_k_and_v_blocks(make: Make, monk
     assert kv.bad_kv[r.request_id] == []
 
 
-def test_a_rank_under_another_key_joins_the_schedulers_engine(make: Make, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A rank that derived another key than rank 0 (no MPI job id both see) joins the scheduler's
-    engine once the first metadata names it."""
-    keys = iter(["k-shared", "k-rank-1", "k-shared"])  # rank 0's worker, rank 1's worker, the scheduler (rank 0's process)
-    monkeypatch.setattr("kvdepot.trtllm.worker.engine_key", lambda args: next(keys))
-    monkeypatch.setattr("kvdepot.trtllm.connector.engine_key", lambda args: next(keys))
-    with caplog.at_level(logging.WARNING, logger="kvdepot.trtllm"):
-        ex = make(world_size=2)
-        served_twice(ex, prompt(100))
-    assert [w.side.key for w in ex.workers] == ["k-shared", "k-shared"]
-    assert "joining the scheduler's engine" in caplog.text
+def test_without_mpi_a_rank_joins_on_the_first_steps_metadata(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under Ray (no MPI) the key rank 0 broadcasts at registration reaches no other rank: rank 1
+    joins once the first step's metadata names it, and until its memory is mapped the daemon
+    offers no hit and stores nothing (a store would miss rank 1's half of each block)."""
+    monkeypatch.setattr("kvdepot.trtllm.worker.broadcast_from_rank0", lambda obj: obj)  # each rank its own
+    ex = make(world_size=2)
+    assert ex.workers[0].side.key and not ex.workers[1].side.key
+    first = ex.add(prompt(100, start=5000))
+    ex.run()
+    assert ex.bad_kv[first.request_id] == []
+    key = ex.scheduler.side.key
+    wait_until(lambda: ex.workers[1].side.key == key and mapped_ranks(ex) == [0, 1])
+    c = counters(ex)
+    assert c["store_blocks_planned"] == 0 and c["store_blocks_unmapped"] == 6
+    served_twice(ex, prompt(100))  # both ranks mapped now: stored, then loaded, every rank's KV right
 
 
 def test_corrupted_block_is_recomputed(monkeypatch: pytest.MonkeyPatch, make: Make) -> None:
@@ -269,6 +273,40 @@ def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> N
             time.sleep(0.01)
         assert counters(ex)["stored_blocks"] == 6  # freed only once the stores had ended (they take 400 ms)
         assert saving_steps > 2
+    finally:
+        d.stop()
+
+
+def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_ended(monkeypatch: pytest.MonkeyPatch, make: Make) -> None:
+    """A request cancelled while its (slowed) load still copies: request_finished must keep its
+    blocks. Were they freed, the next request would get them, and the late load would overwrite
+    that request's KV. The pool holds one request, so the next one gets exactly these blocks."""
+    monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", "true")
+    d = DaemonProcess(args=["--host-gib", "0.25", "--fault-load-delay-ms", "1500"]).start()
+    try:
+        ex = make(address=d.tcp, num_blocks=7)
+        a = ex.add(prompt(100))
+        ex.run()
+        ex.reset_prefix_cache()
+        b = ex.add(prompt(100))
+        ex.step()  # admitted and parked: its load waits 1.5 s in the daemon before it copies
+        assert b.state is LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS and ex.matched[b.request_id] == (0, 96, True)
+        t0 = time.monotonic()
+        ex.cancel(b)
+        assert b.state is LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS  # request_finished said True: blocks kept
+        c = ex.add(prompt(100, start=7000), 4)
+        while c.request_id not in ex.bad_kv:  # c's context: it runs in b's blocks once they are free
+            ex.step()
+            time.sleep(0.002)
+            assert time.monotonic() - t0 < 10
+        time.sleep(2.0)  # past the load's delay: a load still running would have written by now
+        tokens = c.get_tokens(0)
+        assert ex.kv.mismatches(ex.tables[c.request_id], tokens, len(tokens) - 1) == []  # every position of c
+        assert sorted(ex.tables[c.request_id]) == list(range(7))
+        ex.run()
+        assert ex.bad_kv[c.request_id] == [] and ex.bad_kv[a.request_id] == [] and b.request_id in ex.done
+        counts = counters(ex)
+        assert counts["load_blocks_planned"] == 6 and counts["load_failed_blocks"] == 0
     finally:
         d.stop()
 

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvdepot.trtllm.common import check_args, engine_key, layout_of, settings
+from kvdepot.connector.instance import Instance, mint
+from kvdepot.trtllm.common import check_args, layout_of, settings
 from kvdepot.testing.trtllm import KvCacheConfig, TorchLlmArgs
 
 
@@ -19,7 +20,7 @@ def args(**kw: object) -> TorchLlmArgs:
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("KVDEPOT_ADDRESS", "KVDEPOT_NAMESPACE", "KVDEPOT_LOAD_ASYNC", "KVDEPOT_CONNECTOR_CONFIG", "KVDEPOT_TOKEN", "KVDEPOT_TOKEN_FILE", "KVDEPOT_ENGINE_KEY", "PMIX_NAMESPACE"):
+    for var in ("KVDEPOT_ADDRESS", "KVDEPOT_NAMESPACE", "KVDEPOT_LOAD_ASYNC", "KVDEPOT_CONNECTOR_CONFIG", "KVDEPOT_TOKEN", "KVDEPOT_TOKEN_FILE", "PMIX_NAMESPACE"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -74,13 +75,28 @@ def test_server_url_of_newer_releases_is_the_address(monkeypatch: pytest.MonkeyP
     assert settings(a).address == "unix:/run/k.sock"
 
 
-def test_engine_key_is_shared_by_the_ranks_of_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    alone = engine_key(args())
-    assert alone.startswith("trtllm:") and ":pid" in alone and alone.endswith(":m")
+def test_each_instance_mints_its_own_key_whatever_the_environment_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job ids an MPI or Slurm launch sets are the same for every server one job starts: the
+    key is minted, never derived from them."""
+    monkeypatch.setenv("SLURM_JOB_ID", "777")
     monkeypatch.setenv("PMIX_NAMESPACE", "prterun-host-1234@1")
-    assert "prterun-host-1234@1" in engine_key(args())
-    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "mine")
-    assert ":mine:" in engine_key(args())
+    a, b = mint("trtllm", "m"), mint("trtllm", "m")
+    assert a != b and a.startswith("trtllm:") and ":m:" in a and "777" not in a
+    assert len(a.rsplit(":", 1)[1]) == 32  # 128 secret bits
+
+
+def test_an_instance_is_found_by_its_config_object_only() -> None:
+    """A worker finds its scheduler in its own process through the one llm_args object both got; an
+    equal but other object (another instance in the same process) is another instance."""
+    one, other = args(), args()
+    assert one == other and Instance.of(one) is Instance.of(one) and Instance.of(one) is not Instance.of(other)
+    seen: list[str] = []
+    inst = Instance.of(one)
+    inst.when_keyed(seen.append)
+    assert seen == []
+    inst.set_key("k1")
+    inst.when_keyed(seen.append)
+    assert seen == ["k1", "k1"]
 
 
 def test_layout_from_the_pool() -> None:

@@ -190,6 +190,37 @@ def test_f_abort_during_load(style: UpdateStyle) -> None:
 
 
 @pytest.mark.parametrize("style", STYLES)
+def test_f_a_finished_requests_load_stops_and_ends_once_its_copy_reported(style: UpdateStyle) -> None:
+    """A request cancelled while its load copies: the load is of no use, but a copy thread may be
+    writing one of its blocks. The engine is told to keep the blocks (delay_free), the running
+    part is told to stop, parts not started copy nothing, and the request is released only once
+    the copy reported: never while a block may still be written."""
+    sim = Sim(style, world_size=2)
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks)
+    assert sim.lookup("r", toks) == 96
+    sim.step(sim.new("r", toks, E=96, S=4, table=D[:7]))
+    ready = sim.depot.take_ready()
+    copying = [p for p in ready if p.rank == 0]  # rank 0's part is with a copy thread; rank 1's not yet
+    sim.depot._ready += [(sim.depot.ops.ops[p.op_id], p.rank) for p in ready if p.rank == 1]
+    plan = sim.step(finished=["r"])
+    assert plan.delay_free == ["r"]
+    assert sim.depot.take_cancels() == [copying[0].op_id]
+    [later] = sim.depot.take_ready()
+    assert later.rank == 1 and later.work == ()  # handed out empty: it touches no block
+    sim.depot.complete_part(later.op_id, 1, list(later.indices))
+    sim.events += sim.depot.take_events()
+    assert sim.released() == []  # rank 0's copy may still be writing
+    sim.depot.complete_part(copying[0].op_id, 0, [i for i in copying[0].indices if i >= 2])  # it stopped after two blocks
+    sim.events += sim.depot.take_events()
+    assert sim.released() == ["r"]
+    c = sim.depot.counters
+    assert c["load_blocks_cancelled"] == 6 and c["load_failed_blocks"] == 0
+    assert sim.depot.engines[sim.engine].domain.registry.num_pinned == 0
+    sim.depot.check_invariants()
+
+
+@pytest.mark.parametrize("style", STYLES)
 def test_g_finish_with_stores_pending(style: UpdateStyle) -> None:
     sim = Sim(style)
     toks = prompt(100)

@@ -81,7 +81,7 @@ def test_cold_then_reset_is_served_by_the_daemon(daemon: DaemonProcess, llm: LLM
 def test_request_finished_decides_without_a_round_trip(status: RequestStatus, kinds: list[str], delayed: bool) -> None:
     """request_finished is on the path of every request's output: it decides from the kinds of the
     request's open ops, and the next Step's answer says whether the daemon still holds it."""
-    sched = SchedulerSide(ConnectorConfig(), None, "model", "key")
+    sched = SchedulerSide(ConnectorConfig(), None, "model")
     sched.client = SimpleNamespace(epoch=3)  # type: ignore[assignment]  # any call to the daemon would raise
     sched.reqs["r"] = ReqState(request=None, epoch=3, open_ops=dict(enumerate(kinds)))
     assert sched.finished(SimpleNamespace(request_id="r", status=status)) is delayed  # type: ignore[arg-type]
@@ -93,7 +93,7 @@ def test_a_resumed_request_resends_every_token_it_sent_before() -> None:
     """Preempted after 1050 tokens went to the daemon, resumed with no hit and a 512-token chunk: the
     new update still carries all 1050 (the daemon refuses a new update with fewer tokens than it
     holds, and a refused Step is a miss for the whole batch)."""
-    sched = SchedulerSide(ConnectorConfig(), None, "model", "key")
+    sched = SchedulerSide(ConnectorConfig(), None, "model")
     sched.client = SimpleNamespace(epoch=3)  # type: ignore[assignment]
     req = SimpleNamespace(request_id="r", all_token_ids=list(range(1050)), cache_salt=None, lora_request=None)
     st = ReqState(request=req, epoch=3, sent_tokens=1050, table=list(range(66)))

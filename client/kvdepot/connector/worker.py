@@ -5,9 +5,12 @@ metadata, which carries `loads`, `finished` and `preempted_ops` (see LoadJob).""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,6 +65,36 @@ def send_step(client: DepotClient, batch: StepBatch, reqs: Mapping[str, Any]) ->
     return batch, result, result.step if any(op.kind == "store" for op in result.ops) else 0
 
 
+def wait_mapped(client: DepotClient, timeout_s: float, log: logging.Logger) -> bool:
+    """Waits (at an engine's start-up) until the daemon has mapped every rank's KV memory: before,
+    it offers the engine no hit. False, said once, when that did not happen within `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            info = next((e for e in client.engines() if e.engine_id == client.engine_id), None)
+        except DepotError:
+            return False  # an older daemon, a token that cannot list engines: no wait
+        if info is None and not client.engine_id:
+            return False  # not registered (the daemon is not there yet): nothing to wait for
+        if info is not None and (info.layout.kind == 0 or len(info.mapped_ranks) >= max(1, info.layout.world_size)):
+            return True
+        time.sleep(0.05)
+    log.warning("kvdepot: the workers' KV memory is not all mapped %.0f s after start: no hits until it is (see the workers' log)", timeout_s)
+    return False
+
+
+def close_at_exit(side: Any) -> None:
+    """side.close() when the process exits: TensorRT-LLM calls no shutdown hook, and a daemon that
+    heard nothing would hold the engine's slots and pins until its lease ran out."""
+    ref = weakref.ref(side)
+
+    def close() -> None:
+        if (s := ref()) is not None:
+            s.close()
+
+    atexit.register(close)
+
+
 def disconnect(client: DepotClient | None) -> None:
     """Unregisters (the daemon lets go of the engine's slots and pins at once) and closes."""
     if client is None:
@@ -80,19 +113,21 @@ class StepMeta(Protocol):
     preempted_ops: dict[str, list[int]]  # ops that may still touch blocks the engine takes back
 
 
-def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str, style: str = "vllm") -> DepotClient | None:
+def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str, style: str = "vllm", join: bool = False) -> DepotClient | None:
+    """A client registered under `key` (kvdepot.connector.instance): the scheduler creates the
+    engine, a worker (`join`) joins it, waiting in the background while it is not there yet."""
     log = logging.getLogger(f"kvdepot.{style}")  # each engine's connector logs under its own name
     client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls(), token=cfg.token)
     try:
         engine_id = client.register_engine(
             model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout),
-            keep_trying=True, update_style=style,
+            keep_trying=True, update_style=style, join=join,
         )
     except DepotError as e:
         log.error("kvdepot: the daemon at %s refused the engine (%s); the connector stays off", cfg.address, e)
         client.close()
         return None
-    if engine_id:  # else the client warned, naming the address, and keeps trying in the background
+    if engine_id:  # else the client warned, naming the address (or its engine is not there yet), and keeps trying
         log.info("kvdepot: %s connected to %s as engine %s", name, cfg.address, engine_id)
     return client
 
@@ -100,12 +135,15 @@ def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: 
 class WorkerSide:
     on_failed_load = ""  # what the engine does about blocks that did not load, for the log line
 
-    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str, style: str = "vllm") -> None:
+    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, style: str = "vllm") -> None:
         self.cfg = cfg
         self.layout = layout
         self.model = model
-        self.key = key
+        self.key = ""  # the engine's key, from its scheduler (kvdepot.connector.instance); joined once known
         self.style = style
+        self._joining = threading.Lock()
+        self._join_asked = ""  # the key a join_soon thread is joining
+        close_at_exit(self)
         self.log = logging.getLogger(f"kvdepot.{style}")
         self.rank = 0
         self.client: DepotClient | None = None
@@ -127,11 +165,13 @@ class WorkerSide:
         self.fds: list[int] = []
         self.not_attached_since: float | None = None
 
-    def share(self, tensors: Sequence[torch.Tensor], names: Sequence[str], num_blocks: int, rank: int) -> None:
-        """Shares this rank's KV tensors with the daemon and registers them under the engine's key:
-        CUDA IPC handles, memfds handed over (a daemon at unix:PATH) or /dev/shm files."""
+    def share(self, tensors: Sequence[torch.Tensor], names: Sequence[str], num_blocks: int, rank: int) -> bool:
+        """Shares this rank's KV tensors with the daemon: CUDA IPC handles, memfds handed over (a
+        daemon at unix:PATH) or /dev/shm files. They are registered once the engine's key is known
+        (join). False when they cannot be shared: this rank never joins, and the daemon, which maps
+        no memory for it, offers the engine no hit and stores nothing of it."""
         if self.layout is None or not tensors:
-            return
+            return False
         self.rank = rank
         self.cuda = tensors[0].is_cuda
         try:
@@ -141,18 +181,39 @@ class WorkerSide:
                 req, self.fds = handles.share_cpu_tensors_memfd(tensors, num_blocks, names)
             else:
                 req, self.paths = handles.share_cpu_tensors(tensors, num_blocks, names)
-        except Exception as e:  # e.g. no room for the memory: the engine serves on, every load it is planned fails and is recomputed
-            self.log.error("kvdepot: worker %d: cannot share the KV cache with the daemon (%s); loads and stores stay off", self.rank, e)
-            return
+        except Exception as e:  # e.g. no room for the memory: the engine serves on without the daemon
+            self.log.error(
+                "kvdepot: worker %d: cannot share the KV cache with the daemon (%s): this engine gets no hits and stores nothing",
+                self.rank, e,
+            )
+            return False
         self.kv_request = req
-        self.attach()
+        return True
+
+    def join(self, key: str) -> None:
+        """Joins the engine its scheduler registered under `key` and registers this rank's shared KV
+        tensors with it (again under a new key, which a scheduler never mints: kept for safety)."""
+        with self._joining:
+            if self.kv_request is None or self.layout is None or not key or key == self.key:
+                return
+            if self.key:
+                self.log.warning("kvdepot: worker %d: the scheduler's engine key changed; joining again", self.rank)
+                self.close_link()
+            self.key = key
+            self.attach()
+
+    def join_soon(self, key: str) -> None:
+        """join() on a thread of its own: the engine's step does not wait for the registration."""
+        if key and key != self.key and key != self._join_asked and self.kv_request is not None:
+            self._join_asked = key
+            threading.Thread(target=self.join, args=(key,), name=f"kvdepot-join-{self.rank}", daemon=True).start()
 
     def attach(self) -> None:
-        """Registers the engine's key and this rank's shared KV tensors with the daemon (again, after
-        close_link: under a new key)."""
+        """Joins the engine under self.key and registers this rank's shared KV tensors with it."""
         if self.kv_request is None or self.layout is None:
             return
-        self.client = connect(self.cfg, self.layout, self.model, self.key, f"{self.cfg.engine_name}-worker-{self.rank}", self.style)
+        name = f"{self.cfg.engine_name}-worker-{self.rank}"
+        self.client = connect(self.cfg, self.layout, self.model, self.key, name, self.style, join=True)
         if self.client is None:
             return
         self.link = self.client.worker(self.rank)
@@ -298,8 +359,9 @@ class WorkerSide:
         self.link, self.client = None, None
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        """Leaves the engine (the last of its processes to leave ends it) and lets go of the shared
+        memory; idempotent (it runs at exit too)."""
+        self.close_link()
         handles.remove_shm_files(self.paths)
         handles.close_fds(self.fds)
-        self.fds = []
+        self.fds, self.paths = [], []

@@ -166,11 +166,21 @@ class TorchLlmArgs:
 
 
 _rank = 0
+_broadcast: Any = None
 
 
 def mpi_rank() -> int:
     """This process's rank (the stand-in executor sets it around each rank's calls)."""
     return _rank
+
+
+def mpi_broadcast(obj: Any, root: int = 0) -> Any:
+    """tensorrt_llm._utils.mpi_broadcast for ranks the stand-in executor calls one after another,
+    root first: the root's object, to every rank."""
+    global _broadcast
+    if _rank == root:
+        _broadcast = obj
+    return _broadcast
 
 
 def set_rank(rank: int) -> None:

@@ -22,7 +22,12 @@ without TensorRT-LLM. It drives the connector exactly as TensorRT-LLM does
       ids newly passed in, acting on ids every rank returned; an id returned before it was passed
       in raises, as TensorRT-LLM's own bookkeeping does;
     * preempt(): a request's allocation dies and it runs again from the start (TensorRT-LLM's
-      request replay): its blocks are freed and poisoned, its deltas dropped.
+      request replay): its blocks are freed and poisoned, its deltas dropped;
+    * cancel(): the user cancels a request; it finishes (CANCELLED) and request_finished decides
+      whether its blocks are freed now (False) or once every rank returned it as saved (True),
+      as in the releases before TensorRT-LLM's newest (which also keeps a request whose async load
+      is pending), so a connector that answers False while its load still writes is caught;
+    * admission waits while the pool has too few free blocks for a request (GUARANTEED_NO_EVICT).
 
 After each context phase it checks every position's KV on every rank against what a forward
 writes (`bad_kv`): a load that brought wrong bytes shows up there.
@@ -118,6 +123,9 @@ class _Blocks:
             out.append(block)
         return out
 
+    def can_take(self, hit: list[int], n: int) -> bool:
+        return len(self.free) + len(self.reusable) - sum(1 for b in hit if self.key_of.get(b) in self.reusable) >= n
+
     def take(self, hit: list[int], n: int) -> list[int]:
         for b in hit:
             key = self.key_of[b]
@@ -210,6 +218,7 @@ class StandInExecutor:
         self.bad_kv: dict[int, list[int]] = {}  # request -> positions whose KV was wrong after its context
         self.matched: dict[int, tuple[int, int, bool]] = {}  # request -> (L, E, async) at its last admission
         self.parked: dict[int, int] = {}  # request -> iterations it spent left out of the batch, loading
+        self.cancelled: set[int] = set()
         self.iterations = 0
         self._next_id = 1
 
@@ -230,6 +239,21 @@ class StandInExecutor:
         req.prompt_len = len(req.get_tokens(0))
         req.context_current_position, req.state = 0, LlmRequestState.CONTEXT_INIT
         self.waiting.appendleft(req)
+
+    def cancel(self, req: LlmRequest) -> None:
+        """The user cancelled `req`: finished now; request_finished(req, blocks) says whether its
+        blocks stay (True: until every rank returned it as saved) or are free for the next request
+        at once (False)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            return
+        self.cancelled.add(req.request_id)
+        req.state = LlmRequestState.GENERATION_COMPLETE
+        if self.scheduler.request_finished(req, list(self.tables[req.request_id])):
+            self.new_async.saving[req.request_id] = req
+            req.state = SAVING
+        else:
+            self._terminate(req, reuse=False)  # what its blocks hold is not the KV of its tokens
 
     def reset_prefix_cache(self) -> None:
         self.blocks.reset_reuse()
@@ -282,9 +306,12 @@ class StandInExecutor:
         in this iteration before TensorRT-LLM took it out of the batch)."""
         parked = False
         while self.waiting and len(self.active) < self.max_batch:
-            req = self.waiting.popleft()
+            req = self.waiting[0]
             tokens = req.get_tokens(0)
             hit = self.blocks.match(tokens)
+            if not self.blocks.can_take(hit, -(-len(tokens) // self.bs) - len(hit)):
+                break  # its blocks are not free yet (a finished request still saving holds some)
+            self.waiting.popleft()
             L = len(hit) * self.bs
             E, is_async = self.scheduler.get_num_new_matched_tokens(req, L)
             if E == 0 and is_async:
@@ -339,9 +366,9 @@ class StandInExecutor:
             else:
                 self._terminate(r)
 
-    def _terminate(self, r: LlmRequest) -> None:
+    def _terminate(self, r: LlmRequest, reuse: bool = True) -> None:
         tokens = r.get_tokens(0)
-        self.blocks.release(self.tables.pop(r.request_id), tokens, len(tokens) - 1)
+        self.blocks.release(self.tables.pop(r.request_id), tokens, len(tokens) - 1, reuse=reuse and r.request_id not in self.cancelled)
         self.output.reset_request(r.request_id)
         self.active.remove(r)
         r.state = LlmRequestState.GENERATION_COMPLETE
@@ -371,7 +398,8 @@ class StandInExecutor:
             req = self.local_done[0].loading[rid]
             for d in self.local_done:
                 del d.loading[rid]
-            req.state = LlmRequestState.CONTEXT_INIT
+            if req.state is PARKED:  # not cancelled meanwhile
+                req.state = LlmRequestState.CONTEXT_INIT
         for rid in all_saved:
             req = self.local_done[0].saving[rid]
             for d in self.local_done:

@@ -44,3 +44,15 @@ def mpi_rank() -> int:
 
         return int(rank())
     return stand_in.mpi_rank()
+
+
+def broadcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank, over TensorRT-LLM's own communicator (the one its connector
+    manager broadcasts the scheduler's answers on). A collective: every rank must call it, at the
+    same point (register_kv_caches, which each rank's executor calls once). Without MPI (Ray) it is
+    each rank's own object."""
+    if real:
+        from tensorrt_llm._utils import mpi_broadcast
+
+        return mpi_broadcast(obj, root=0)
+    return stand_in.mpi_broadcast(obj)

@@ -1,13 +1,10 @@
 """What the connector's two roles share: the metadata TensorRT-LLM broadcasts from the scheduler
-(rank 0) to every worker (small, picklable, no tensors), the engine's layout and key, and the
-settings."""
+(rank 0) to every worker (small, picklable, no tensors), the engine's layout, and the settings."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,15 +17,13 @@ from kvdepot.handles import _DTYPES
 from kvdepot.layout import KvLayout
 
 STYLE = "trtllm"  # the daemon reads computed_position as TensorRT-LLM means it (docs/protocol.md)
-# Set by the MPI runtimes TensorRT-LLM runs under: one value per launch, the same on every rank.
-_JOB_VARS = ("KVDEPOT_ENGINE_KEY", "PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "PMI_JOBID", "SLURM_JOB_ID")
 
 
 @dataclass
 class TrtllmMeta:
     """One step's instructions, built on rank 0 and broadcast by TensorRT-LLM to every rank."""
 
-    engine_key: str = ""  # the engine's key at the daemon: a worker registered under another one joins this
+    engine_key: str = ""  # the engine's key at the daemon, minted by the scheduler: each rank's worker joins it
     step: int = 0  # the client's step number when stores wait on this step's forward (else 0)
     loads: list[LoadJob] = field(default_factory=list)
     ops: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # request -> (op id, deadline ms) planned this step
@@ -49,15 +44,6 @@ def settings(llm_args: Any) -> ConnectorConfig:
     if cfg.late_load_checks == "true":
         raise ValueError("kvdepot: late_load_checks cannot be on with TensorRT-LLM: it has no way to hear that a checked load failed")
     return dataclasses.replace(cfg, late_load_checks="false")  # "auto" too
-
-
-def engine_key(llm_args: Any) -> str:
-    """The key every process of one TensorRT-LLM instance registers under: $KVDEPOT_ENGINE_KEY, else
-    the MPI launch's id (the same on every rank), else this process (one rank: the scheduler and
-    its worker share the process). Rank 0's scheduler sends its key in every step's metadata, and a
-    worker that derived another one registers again under it."""
-    job = next((os.environ[v] for v in _JOB_VARS if os.environ.get(v)), f"pid{os.getpid()}")
-    return f"trtllm:{socket.gethostname()}:{job}:{model_of(llm_args)}"
 
 
 def model_of(llm_args: Any) -> str:
@@ -94,30 +80,3 @@ def layout_of(pool: torch.Tensor, llm_args: Any) -> KvLayout:
     )
     layout.validate()
     return layout
-
-
-class Rendezvous:
-    """What rank 0's worker and the scheduler, built in the same process, tell each other: the
-    layout the worker derived from the pool (the scheduler registers the engine with it), and the
-    scheduler itself (the worker reports loads that failed, see SchedulerSide.rewind)."""
-
-    _lock = threading.Lock()
-    _layouts: dict[str, KvLayout] = {}
-    _schedulers: dict[str, Any] = {}
-
-    @classmethod
-    def scheduler(cls, key: str, side: Any = None) -> Any:
-        with cls._lock:
-            if side is not None:
-                cls._schedulers[key] = side
-            return cls._schedulers.get(key)
-
-    @classmethod
-    def publish(cls, key: str, layout: KvLayout) -> None:
-        with cls._lock:
-            cls._layouts[key] = layout
-
-    @classmethod
-    def layout(cls, key: str) -> KvLayout | None:
-        with cls._lock:
-            return cls._layouts.get(key)

@@ -10,8 +10,9 @@ from typing import Any
 
 import torch
 
+from kvdepot.connector.instance import Instance
 from kvdepot.trtllm.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, mpi_rank
-from kvdepot.trtllm.common import TrtllmMeta, check_args, engine_key, model_of, settings
+from kvdepot.trtllm.common import TrtllmMeta, check_args, model_of, settings
 from kvdepot.trtllm.scheduler import SchedulerSide
 from kvdepot.trtllm.worker import TrtllmWorkerSide
 
@@ -24,7 +25,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         if why := check_args(llm_args):
             log.error("kvdepot: connector disabled: %s", why)
         tpb = int(llm_args.kv_cache_config.tokens_per_block)
-        self.side = SchedulerSide(settings(llm_args), model_of(llm_args), engine_key(llm_args), tpb, enabled=not why)
+        self.side = SchedulerSide(settings(llm_args), model_of(llm_args), Instance.of(llm_args), tpb, enabled=not why)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         return self.side.matched(request, num_computed_tokens)
@@ -47,7 +48,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
 class KvDepotWorker(KvCacheConnectorWorker):
     def __init__(self, llm_args: Any) -> None:
         super().__init__(llm_args)
-        self.side = TrtllmWorkerSide(settings(llm_args), llm_args)
+        self.side = TrtllmWorkerSide(settings(llm_args), llm_args, Instance.of(llm_args))
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         self.side.register(kv_cache_tensor, mpi_rank())

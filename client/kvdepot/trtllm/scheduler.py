@@ -22,9 +22,10 @@ from typing import Any
 
 from kvdepot.client import DepotClient
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.worker import connect, disconnect, load_jobs, send_step
+from kvdepot.connector.worker import close_at_exit, connect, disconnect, load_jobs, send_step
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
-from kvdepot.trtllm.common import STYLE, Rendezvous, TrtllmMeta
+from kvdepot.connector.instance import Instance, mint
+from kvdepot.trtllm.common import STYLE, TrtllmMeta
 
 log = logging.getLogger("kvdepot.trtllm")
 
@@ -44,16 +45,18 @@ class ReqState:
     sent_blocks: int = 0
     sent_end: int = 0  # computed + scheduled of the last update sent (the daemon's terms)
     stores: dict[int, int] = field(default_factory=dict)  # store op id -> deadline (unix ms): may still read its blocks
+    loads: dict[int, int] = field(default_factory=dict)  # load op id -> deadline (unix ms): may still write its blocks
     lost: bool = False  # no more updates (a Step carrying one went unanswered, or blocks without pages)
     unknown: bool = False  # a Step carrying its update went unanswered: what the daemon planned is unknown
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, model: str, key: str, block_size: int, enabled: bool = True) -> None:
+    def __init__(self, cfg: ConnectorConfig, model: str, instance: Instance, block_size: int, enabled: bool = True) -> None:
         self.cfg = cfg
         self.off = not enabled  # the engine is outside what kvdepot serves, or the daemon refused it
         self.model = model
-        self.key = key
+        self.instance = instance
+        self.key = mint("trtllm", model)  # this instance's own: its workers learn it from us alone
         self.bs = block_size
         self.client: DepotClient | None = None
         self.reqs: dict[str, ReqState] = {}
@@ -64,13 +67,15 @@ class SchedulerSide:
         self.to_forget: list[str] = []
         self.admissions: collections.deque[tuple[str, int, int, int]] = collections.deque(maxlen=1024)  # (rid, L, E, C) sent
         self._waiting_since = time.monotonic()
-        Rendezvous.scheduler(key, self)
+        instance.scheduler = self
+        instance.set_key(self.key)
+        close_at_exit(self)
 
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         """Connected: the daemon is asked only once rank 0's worker has shared the pool's layout."""
         if self.client is not None or self.off:
             return self.client is not None
-        layout = Rendezvous.layout(self.key)
+        layout = self.instance.layout
         if layout is None:
             if time.monotonic() - self._waiting_since > 60:
                 log.warning("kvdepot: rank 0's worker has not registered the KV pool yet; the connector stays idle")
@@ -100,7 +105,7 @@ class SchedulerSide:
         st = self.reqs.get(rid)
         if st is not None and st.announced and st.epoch >= 0:
             st.restart = True  # asked again: its allocation died and it runs again from the start
-        if not self._ready() or not self._usable(request):
+        if not self.ready() or not self._usable(request):
             self.guess.pop(rid, None)
             return 0, False  # the daemon never hears of it: nothing is loaded or stored for it
         assert self.client is not None
@@ -201,7 +206,7 @@ class SchedulerSide:
             # read the old blocks, which TensorRT-LLM has freed.
             if live := [op for op, deadline in st.stores.items() if deadline + 1000 > now]:
                 meta.preempted_ops[rid] = live
-            st.restart, st.stores = False, {}
+            st.restart, st.stores, st.loads = False, {}, {}
         if len(batch.preempted):
             self.client.step(batch)
 
@@ -242,8 +247,8 @@ class SchedulerSide:
                     meta.held[rid] = True  # the workers wait for the daemon's release of it, not for ops
         meta.forget, self.to_forget = self.to_forget, []
         for op in result.ops:
-            if op.kind == "store" and (st := self.reqs.get(op.request_id)) is not None:
-                st.stores[op.op_id] = op.deadline_ms
+            if (st := self.reqs.get(op.request_id)) is not None:
+                (st.stores if op.kind == "store" else st.loads)[op.op_id] = op.deadline_ms
             meta.ops.setdefault(op.request_id, []).append((op.op_id, op.deadline_ms))
         meta.loads += load_jobs(result.ops, [(str(st.request.request_id), st.table[st.L // self.bs : (st.L + st.E) // self.bs], st.is_async) for st in loads])
 
@@ -272,10 +277,13 @@ class SchedulerSide:
 
     def finished(self, request: Any) -> bool:
         """Whether TensorRT-LLM must keep the request's blocks until the workers report it saved: an
-        op of it may still read or write them. Every worker heard of every op of the request in the
-        metadata, and of each one's end on its stream: it returns the request once they ended, in
-        this very step if they have (no further step is needed; an idle engine builds none). A
-        request whose Step went unanswered waits for the daemon's release instead."""
+        op of it may still read or write them: a store, or a load (a request cancelled while its
+        load runs; TensorRT-LLM frees the blocks on False, and the load would write into whatever
+        request gets them next). Every worker heard of every op of the request in the metadata, and
+        of each one's end on its stream: it returns the request once they ended, in this very step
+        if they have (no further step is needed; an idle engine builds none). The daemon hears of
+        the finish in the next Step and stops its loads then. A request whose Step went unanswered
+        waits for the daemon's release instead."""
         rid = str(request.request_id)
         self.guess.pop(rid, None)
         st = self.reqs.pop(rid, None)
@@ -283,10 +291,11 @@ class SchedulerSide:
             return False
         self.to_finish.append(rid)
         now = time.time() * 1000
-        if st.unknown or any(deadline + 1000 > now for deadline in st.stores.values()):
+        if st.unknown or any(deadline + 1000 > now for deadline in (*st.stores.values(), *st.loads.values())):
             return True
         self.to_forget.append(rid)
         return False
 
     def close(self) -> None:
         disconnect(self.client)
+        self.client = None

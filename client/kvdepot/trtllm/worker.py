@@ -11,16 +11,19 @@ from typing import Any
 import torch
 
 from kvdepot.connector.config import ConnectorConfig
+from kvdepot.connector.instance import Instance
 from kvdepot.connector.worker import LoadJob, WorkerSide
-from kvdepot.trtllm.common import STYLE, Rendezvous, TrtllmMeta, check_args, engine_key, layout_of, model_of
+from kvdepot.trtllm.api import broadcast_from_rank0
+from kvdepot.trtllm.common import STYLE, TrtllmMeta, check_args, layout_of, model_of
 
 log = logging.getLogger("kvdepot.trtllm")
 
 
 class TrtllmWorkerSide(WorkerSide):
-    def __init__(self, cfg: ConnectorConfig, llm_args: Any) -> None:
-        super().__init__(cfg, None, model_of(llm_args), engine_key(llm_args), STYLE)
+    def __init__(self, cfg: ConnectorConfig, llm_args: Any, instance: Instance) -> None:
+        super().__init__(cfg, None, model_of(llm_args), STYLE)
         self.llm_args = llm_args
+        self.instance = instance  # rank 0's scheduler is in this process (the same llm_args)
         self.late = False  # a load's bytes are used only once checked: TensorRT-LLM cannot hear of a failed one
         self.saving: set[str] = set()  # passed in as saving (request_finished said True), not returned yet
         self.loading: set[str] = set()  # passed in as loading asynchronously, not returned yet
@@ -31,6 +34,11 @@ class TrtllmWorkerSide(WorkerSide):
         self.ops_of: dict[str, dict[int, int]] = {}  # request -> its ops (id -> deadline ms), from the metadata
 
     def register(self, pool: torch.Tensor, rank: int) -> None:
+        """Shares the pool; rank 0 hands its layout to the scheduler in its process, which registers
+        the engine; every rank joins it under the key the scheduler minted, which rank 0 broadcasts
+        here over TensorRT-LLM's own communicator (without MPI, the first step's metadata brings it).
+        A rank whose pool cannot be shared never joins, and the daemon then offers this engine no
+        hit and stores nothing of it; rank 0's: the scheduler never connects."""
         why = check_args(self.llm_args)
         try:
             layout = None if why else layout_of(pool, self.llm_args)
@@ -38,11 +46,16 @@ class TrtllmWorkerSide(WorkerSide):
             layout, why = None, str(e)
         if layout is None:
             log.error("kvdepot: connector disabled: %s", why)
-            return
-        self.layout = layout
-        if rank == 0:
-            Rendezvous.publish(self.key, layout)
-        self.share([pool], ["kv_pool"], int(pool.shape[0]), rank)
+        else:
+            self.layout = layout
+        shared = layout is not None and self.share([pool], ["kv_pool"], int(pool.shape[0]), rank)
+        if shared and rank == 0 and (scheduler := self.instance.scheduler) is not None:
+            self.instance.publish(layout)  # type: ignore[arg-type]
+            scheduler.ready()
+        # A collective: every rank calls it, whatever happened above.
+        key = broadcast_from_rank0(self.instance.key if rank == 0 and shared else "")
+        if shared and key:
+            self.join(key)
 
     def bound(self, meta: object) -> None:
         self.fresh_meta = True
@@ -51,14 +64,7 @@ class TrtllmWorkerSide(WorkerSide):
                 self.ops_of.setdefault(rid, {}).update(ops)
             for rid in meta.forget:
                 self.ops_of.pop(rid, None)
-        if isinstance(meta, TrtllmMeta) and meta.engine_key and meta.engine_key != self.key and self.kv_request is not None:
-            log.warning(
-                "kvdepot: worker %d registered as %s, the scheduler as %s: joining the scheduler's engine "
-                "(set KVDEPOT_ENGINE_KEY to the same value on every rank to skip this)", self.rank, self.key, meta.engine_key,
-            )
-            self.close_link()
-            self.key = meta.engine_key
-            self.attach()
+            self.join_soon(meta.engine_key)  # a rank other than 0 learns its engine's key here
 
     def _fail_unloaded(self, job: LoadJob) -> list[int]:
         for op in job.ops:  # settled: ended, or past writing
@@ -84,7 +90,7 @@ class TrtllmWorkerSide(WorkerSide):
             self.load_failures += len(blocks)
             if self.rank != 0:
                 continue  # rank 0 speaks for the engine (the scheduler is in its process)
-            side = Rendezvous.scheduler(self.key)
+            side = self.instance.scheduler
             if side is None:
                 log.error("kvdepot: request %s: %d blocks did not load, and this process has no scheduler to rewind it", rid, len(blocks))
                 continue

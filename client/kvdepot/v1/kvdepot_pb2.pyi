@@ -70,7 +70,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ..., kind: _Optional[_Union[KvLayoutKind, str]] = ..., kv_factor: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key", "late_load_checks")
+    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key", "late_load_checks", "join")
     ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class RegisterEngineRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_KEY_FIELD_NUMBER: _ClassVar[int]
     LATE_LOAD_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     engine_name: str
     model: str
     layout: KvLayout
@@ -87,7 +88,8 @@ class RegisterEngineRequest(_message.Message):
     lease_ms: int
     engine_key: str
     late_load_checks: bool
-    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ..., late_load_checks: _Optional[bool] = ...) -> None: ...
+    join: bool
+    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ..., late_load_checks: _Optional[bool] = ..., join: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks", "joined", "lanes")
@@ -513,7 +515,7 @@ class RecentFailure(_message.Message):
     def __init__(self, unix_s: _Optional[float] = ..., kind: _Optional[str] = ..., engine_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "engine_name", "model", "layout", "namespace", "update_style", "slots", "lease_expires_unix_ms", "attached_ranks", "last_step")
+    __slots__ = ("engine_id", "engine_name", "model", "layout", "namespace", "update_style", "slots", "lease_expires_unix_ms", "attached_ranks", "last_step", "mapped_ranks")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -524,6 +526,7 @@ class EngineInfo(_message.Message):
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_RANKS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_RANKS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     engine_name: str
     model: str
@@ -534,7 +537,8 @@ class EngineInfo(_message.Message):
     lease_expires_unix_ms: int
     attached_ranks: _containers.RepeatedScalarFieldContainer[int]
     last_step: int
-    def __init__(self, engine_id: _Optional[str] = ..., engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., slots: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., attached_ranks: _Optional[_Iterable[int]] = ..., last_step: _Optional[int] = ...) -> None: ...
+    mapped_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, engine_id: _Optional[str] = ..., engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., slots: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., attached_ranks: _Optional[_Iterable[int]] = ..., last_step: _Optional[int] = ..., mapped_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListEnginesRequest(_message.Message):
     __slots__ = ()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvdepot.connector.worker import LoadJob
 from kvdepot.layout import KvLayout
@@ -18,12 +18,22 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 log = logging.getLogger("kvdepot.vllm")
-__all__ = ["KvDepotMetadata", "KvDepotWorkerMetadata", "LoadJob", "layout_of"]
+__all__ = ["KvDepotHandshake", "KvDepotMetadata", "KvDepotWorkerMetadata", "LoadJob", "layout_of"]
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 @dataclass
+class KvDepotHandshake(KVConnectorHandshakeMetadata):
+    """What each worker tells the scheduler once its KV caches are registered (vLLM gathers it
+    before the engine serves): the engine's key, which tensor-parallel rank 0 minted and
+    broadcast to its peers (kvdepot.connector.instance)."""
+
+    engine_key: str = ""
+
+
+@dataclass
 class KvDepotMetadata(KVConnectorMetadata):
+    engine_key: str = ""  # the engine's key at the daemon: a worker that did not join it yet joins it
     step: int = 0  # the client's step number when stores wait on this step's forward (else 0)
     loads: list[LoadJob] = field(default_factory=list)
     finished: dict[str, bool] = field(default_factory=dict)  # delayed request -> the daemon still holds it

@@ -16,8 +16,10 @@ Scheduler (EngineCore process)
 Worker (each worker process)
     register_kv_caches          moves CPU KV tensors onto shared memory (set_()): memfds handed over
                                 on the daemon's handoff socket when `address` is unix:PATH, /dev/shm
-                                files otherwise; or exports CUDA IPC handles; then registers them
-                                under the engine's shared key
+                                files otherwise; or exports CUDA IPC handles; tensor-parallel rank 0
+                                mints the engine's key and broadcasts it; each worker joins under it
+    get_handshake_metadata      the key, which vLLM hands to the scheduler before it serves
+                                (set_xfer_handshake_metadata: the scheduler creates the engine)
     start_load_kv               waits for this step's synchronous loads (never past the op's deadline)
     wait_for_save               reports forward-done (CPU) or records an interprocess CUDA event
     get_finished / get_block_ids_with_load_errors   from the daemon's completion stream
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -42,7 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.worker import LoadJob
-from kvdepot.vllm.common import KvDepotMetadata, KvDepotWorkerMetadata, layout_of
+from kvdepot.vllm.common import KvDepotHandshake, KvDepotMetadata, KvDepotWorkerMetadata, layout_of
 from kvdepot.vllm.scheduler import SchedulerSide
 from kvdepot.vllm.worker import VllmWorkerSide
 
@@ -71,16 +74,15 @@ class KvDepotConnector(KVConnectorBase_V1):
         if layout is None:
             log.error("kvdepot: connector disabled: %s", why)
         model = vllm_config.model_config.model
-        key = f"vllm:{tc.engine_id}"
         self._sched: SchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if tc.kv_load_failure_policy != "recompute" and not self.cfg.keep_fail_policy:
                 log.info("kvdepot: kv_load_failure_policy set to 'recompute': a failed load of a cache costs a hit, not the request")
                 tc.kv_load_failure_policy = "recompute"
-            self._sched = SchedulerSide(self.cfg, layout, model, key)
+            self._sched = SchedulerSide(self.cfg, layout, model)
         else:
-            self._worker = VllmWorkerSide(self.cfg, layout, model, key)
+            self._worker = VllmWorkerSide(self.cfg, layout, model)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -94,6 +96,10 @@ class KvDepotConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         self._sched.allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        if self._sched is not None:
+            self._sched.connect(m.engine_key for m in metadata.values() if isinstance(m, KvDepotHandshake))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -113,6 +119,14 @@ class KvDepotConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._worker.handshake() if self._worker is not None else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvDepotMetadata):
+            self._worker.join_soon(connector_metadata.engine_key)  # a worker in a process of its own learns the key here
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, KvDepotMetadata):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +14,9 @@ from vllm.v1.request import RequestStatus
 from kvdepot.layout import KvLayout
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.worker import connect, disconnect, load_jobs, send_step
+from kvdepot.client import DepotClient
+from kvdepot.connector.instance import mint
+from kvdepot.connector.worker import close_at_exit, connect, disconnect, load_jobs, send_step, wait_mapped
 from kvdepot.vllm.common import KvDepotMetadata
 
 if TYPE_CHECKING:
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdepot.vllm")
 # Finish reasons that come from a sampled token, so from a forward after all of the request's loads.
+STARTUP_WAIT_S = 10.0  # the most vLLM's start-up waits for the daemon to map the workers' KV memory
 _SAMPLED_STOPS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
 
 
@@ -43,10 +47,13 @@ class ReqState:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, key: str) -> None:
+    def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str) -> None:
         self.cfg = cfg
+        self.layout = layout
+        self.model = model
         self.bs = layout.block_size if layout else 0
-        self.client = connect(cfg, layout, model, key, cfg.engine_name) if layout else None
+        self.key = ""  # the engine's key: from the workers' handshake (connect), kvdepot.connector.instance
+        self.client: DepotClient | None = None
         self.reqs: dict[str, ReqState] = {}
         self.guess: dict[str, tuple[int, int]] = {}  # rid -> (L, E) answered, not yet committed
         self.async_starts: list[str] = []
@@ -54,8 +61,25 @@ class SchedulerSide:
         self.delayed: set[str] = set()  # request_finished said True: the workers report their release
         self.op_owner: dict[int, str] = {}
         self.admissions: collections.deque[tuple[str, int, int, int]] = collections.deque(maxlen=1024)  # (rid, L, E, C) sent
+        close_at_exit(self)
 
+    def connect(self, keys: Iterable[str] = ()) -> None:
+        """Registers the engine under the key its workers minted and joined (vLLM hands their
+        handshake over before the engine serves), or, when none came, under one minted here, which
+        the workers then learn from the first step's metadata."""
+        if self.client is not None or self.layout is None:
+            return
+        found = sorted({k for k in keys if k})
+        if len(found) > 1:
+            log.error("kvdepot: the workers joined different engine keys (%d): the connector stays off", len(found))
+            self.layout = None
+            return
+        self.key = found[0] if found else mint("vllm", self.model)
+        self.client = connect(self.cfg, self.layout, self.model, self.key, self.cfg.engine_name)
+        if self.client is not None and found:  # start-up: serve once the workers' memory is mapped
+            wait_mapped(self.client, STARTUP_WAIT_S, log)
     def _usable(self, request: Request) -> bool:
+        self.connect()  # no handshake came (the workers could not share their caches): a key of our own
         return self.client is not None and not request.mm_features and getattr(request, "prompt_embeds", None) is None
 
     def matched(self, request: Request, L: int) -> tuple[int, bool]:
@@ -99,6 +123,7 @@ class SchedulerSide:
         meta = KvDepotMetadata()
         if self.client is None:
             return meta
+        meta.engine_key = self.key
         epoch = self.client.epoch
         batch = StepBatch()
         batch.finished, self.to_finish = self.to_finish, []
@@ -236,3 +261,4 @@ class SchedulerSide:
 
     def close(self) -> None:
         disconnect(self.client)
+        self.client, self.layout = None, None  # no connect() again

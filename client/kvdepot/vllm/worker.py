@@ -5,20 +5,33 @@ from __future__ import annotations
 
 import torch
 
+from kvdepot.connector.instance import mint
 from kvdepot.connector.worker import WorkerSide
-from kvdepot.vllm.common import KvDepotWorkerMetadata
+from kvdepot.vllm.common import KvDepotHandshake, KvDepotWorkerMetadata
 
 
 class VllmWorkerSide(WorkerSide):
     on_failed_load = "; vLLM recomputes them"
+
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Shares this rank's KV tensors and joins the engine under the key tensor-parallel rank 0
+        mints and broadcasts to its peers here (every rank registers its caches at this point of
+        vLLM's start-up). The scheduler learns the key from the workers' handshake, which vLLM
+        gathers before it serves, and creates the engine; a worker's join waits for that."""
         if self.layout is None or not kv_caches:
             return
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
         tensors = list(kv_caches.values())
         num_blocks = int(tensors[0].shape[1] if self.layout.kind == "vllm_flash" else tensors[0].shape[0])
-        self.share(tensors, list(kv_caches), num_blocks, get_tensor_model_parallel_rank())
+        rank = get_tensor_model_parallel_rank()
+        shared = self.share(tensors, list(kv_caches), num_blocks, rank)
+        key = get_tp_group().broadcast_object(mint("vllm", self.model) if rank == 0 else None, src=0)  # a collective: every rank
+        if shared and key:
+            self.join(key)
+
+    def handshake(self) -> KvDepotHandshake | None:
+        return KvDepotHandshake(self.key) if self.key else None
 
     def worker_meta(self) -> KvDepotWorkerMetadata | None:
         done = self.take_completed()

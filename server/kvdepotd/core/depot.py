@@ -8,7 +8,10 @@ Primitives (called by the runtime on the event loop, one at a time; `now_ms` is 
     lookup(...)  -> LookupResult      tokens beyond the engine's own hit the tiers hold; pins them
     step(...)    -> StepPlan          applies slot updates, finishes, preemptions; returns new ops
     forward_done(engine, rank, step)  a worker's forward for `step` ended: its stores may start
+    rank_mapped(engine, rank)         a rank's KV memory is mapped; until every rank's is, lookups
+                                      miss and nothing is stored (Engine.mapped_in_full)
     take_ready() -> [Part]            op parts the copy engine should run now (plain data)
+    take_cancels() -> [OpId]          ops whose running parts should stop (a finished request's loads)
     part_copied(op_id, rank)          a late-checked load's bytes reached the engine on one rank
     complete_part(op_id, rank, failed, message, corrupt)   the copy engine's report for one part
     take_disk_jobs / disk_job_done / take_disk_drops / restore_disk   the disk tier (disk.py);
@@ -59,7 +62,7 @@ from kvdepotd.core.records import (
 )
 from kvdepotd.core.registry import BlockEntry, BlockRegistry, make_eviction_policy
 from kvdepotd.core.rows import RowPass, check_columns
-from kvdepotd.core.slots import MAX_ID_LEN, Phase, Slot, SlotUpdate, StepColumns, UpdateStyle
+from kvdepotd.core.slots import MAX_ID_LEN, BlockState, Phase, Slot, SlotUpdate, StepColumns, UpdateStyle
 
 __all__ = [
     "Depot", "DepotConfig", "DepotStats", "Engine", "Event", "LoadCopied", "LookupResult", "OpCompleted", "PoolStats", "RequestReleased", "StepPlan",
@@ -80,6 +83,7 @@ class Depot:
         self.remote = RemotePlanner(config.remote, self.ops, self.counters)
         self.disk = DiskPlanner(config.disk, self.ops, self.counters, self.remote)
         self._ready: list[tuple[Op, int]] = []
+        self._cancels: list[OpId] = []  # ops whose running parts should stop (take_cancels)
         self._events: list[Event] = []
         self._slot_epoch: dict[tuple[EngineId, RequestId], int] = {}
         self.planner = OpPlanner(config, self.ops, self.disk, self.remote, self.counters, self._slot_epoch)
@@ -98,9 +102,10 @@ class Depot:
         now_ms: int,
         key: str = "",
         late_load_checks: bool = False,
+        join: bool = False,
     ) -> tuple[Engine, bool]:
         """A new engine under `engine_id`, or, when `key` names a live engine, that engine (joined:
-        its lease is renewed) and True."""
+        its lease is renewed) and True. `join`: never a new engine (NotFound when `key` names none)."""
         try:
             layout.validate()
         except ValueError as e:
@@ -113,6 +118,11 @@ class Depot:
         if lease_ms < 0 or lease_ms > MAX_LEASE_MS:
             raise InvalidRequest(f"lease_ms must be in [0, {MAX_LEASE_MS}], got {lease_ms}")
         lease = lease_ms or self.config.lease_ms
+        if join and (not key or (namespace, key) not in self.by_key):
+            raise NotFound(
+                "no live engine has this engine key: a join needs the key its engine's scheduler registered with"
+                + ("" if key else " (engine_key is empty)")
+            )
         if key and (joined := self.by_key.get((namespace, key))) is not None:
             eng = self.engines[joined]
             if (eng.model, eng.layout, eng.style) != (model, layout, style):
@@ -124,7 +134,7 @@ class Depot:
             eng.processes += 1
             return eng, True
         domain = self._domain(layout)
-        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key, late_load_checks)
+        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key, late_load_checks, registered_ms=now_ms)
         self.engines[engine_id] = eng
         if key:
             self.by_key[namespace, key] = engine_id
@@ -182,7 +192,9 @@ class Depot:
         self._check_pin_caps(eng, request_id, len(tokens) // 4)
         self.disk.now_ms = now_ms
         remote = self.remote.up and eng.layout.world_size <= REMOTE_MAX_RANKS
-        return lookup.lookup(eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters, remote)
+        return lookup.lookup(
+            eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters, remote, eng.mapped_in_full
+        )
 
     def extend_lookup(self, engine_id: EngineId, request_id: RequestId, pin: LookupPin | None, res: LookupResult, found: int) -> LookupResult:
         """The remote store holds the first `found` blocks of `res.remote_query` (lookup.extend);
@@ -327,6 +339,11 @@ class Depot:
     def _store(self, eng: Engine, slot: Slot, candidates: list[int], step: int, now_ms: int, plan: StepPlan) -> None:
         if not candidates:  # most rows of a decode step: no call further down
             return
+        if not eng.mapped_in_full:  # a rank's copy would fail: the block would be stored in part
+            for i in candidates:
+                slot.states[i] = BlockState.NOT_STORED
+            self.counters["store_blocks_unmapped"] += len(candidates)
+            return
         op = self.planner.store(eng, slot, candidates, step, now_ms)
         if op is not None:
             self._add_op(slot, op, plan)
@@ -351,6 +368,17 @@ class Depot:
         slot = eng.slots.get(rid)
         if slot is None or slot.phase is Phase.FINISHING:
             return  # never scheduled, or already finishing: finishing is idempotent
+        for op_id in slot.ops:  # a load into a finished (cancelled) request's blocks is of no use
+            op = self.ops.ops.get(op_id)
+            if op is not None and op.kind is OpKind.LOAD and not op.cancelled:
+                # Not ended here: a copy may be writing one of its blocks. Its parts copy nothing
+                # more (take_ready hands them out empty; take_cancels stops those running), and it
+                # ends when they have reported, so the engine is told it may free the blocks only
+                # once nothing writes into them (delay_free until then).
+                op.cancelled = True
+                op.failed.update(op.block_indices)
+                op.message = op.message or "its request finished"
+                self._cancels.append(op.op_id)
         if slot.ops:
             slot.phase = Phase.FINISHING
             plan.delay_free.append(rid)
@@ -370,6 +398,11 @@ class Depot:
         self._slot_epoch[key] = self._slot_epoch.get(key, 0) + 1
 
     # -- workers and the copy engine ------------------------------------------------------------
+    def rank_mapped(self, engine_id: EngineId, rank: int) -> None:
+        """The daemon mapped `rank`'s KV memory: once every rank's is, the engine gets hits and its
+        blocks are stored."""
+        self.engine_rank(engine_id, rank).mapped.add(rank)
+
     def engine_rank(self, engine_id: EngineId, rank: int) -> Engine:
         """The engine, after checking that `rank` is one of its workers."""
         eng = self.engine(engine_id)
@@ -471,6 +504,11 @@ class Depot:
             if slot.phase is Phase.FINISHING and not slot.ops:
                 self._release_slot(eng, slot.request_id)
                 self._events.append(RequestReleased(eng.engine_id, slot.request_id))
+
+    def take_cancels(self) -> list[OpId]:
+        """Ops whose parts the copy engine should stop (they report what they did not copy)."""
+        out, self._cancels = self._cancels, []
+        return out
 
     def take_events(self) -> list[Event]:
         events, self._events = self._events, []

@@ -37,9 +37,11 @@ def lookup(
     config: DepotConfig,
     counters: Counter[str],
     remote: bool = False,
+    offer: bool = True,
 ) -> LookupResult:
     """`remote`: the remote store may be asked for the blocks after the local match (the answer's
-    remote_query; the pin is kept even without a local hit, for Depot.extend_lookup)."""
+    remote_query; the pin is kept even without a local hit, for Depot.extend_lookup). Without
+    `offer` (a rank's memory is not mapped yet) the request is checked and counted, and missed."""
     bs = eng.layout.block_size
     n = len(tokens) // 4
     L = device_matched_tokens
@@ -62,7 +64,10 @@ def lookup(
     on_disk: list[bool] = []
     chain: list[BlockHash] = []
     seed = eng.seed(cache_salt, lora_name)
-    if L % bs == 0 and offerable:
+    if not offer:
+        counters["lookups_unmapped"] += 1
+        remote = False
+    elif L % bs == 0 and offerable:
         hit, on_disk, chain = match(eng.domain, tokens, bs, seed, first, offerable)
     query: list[BlockHash] = []
     if remote and L % bs == 0 and len(hit) < offerable:

@@ -61,7 +61,7 @@ class Op:
     staging: set[int] = field(default_factory=set)  # block indices still being read from disk into the host tier
     from_disk: set[int] = field(default_factory=set)  # block indices read from disk for it (their data is checked by its copy)
     held: bool = False  # a load waits for its staging before any part starts
-    cancelled: bool = False  # a store ended before its forward was reported (the request went back)
+    cancelled: bool = False  # ended by the engine: a store before its forward was reported (the request went back), a load of a finished request
     check_late: bool = False  # a load that reports its bytes copied before its checksums are checked
     copied: set[int] = field(default_factory=set)  # ranks whose part copied its bytes (check_late loads)
 

@@ -204,6 +204,11 @@ class OpPlanner:
                             self.counters["disk_checksum_failures"] += 1
                     else:
                         self.counters["checksum_failures"] += 1
-                self.counters["loaded_blocks" if ok else "load_failed_blocks"] += 1
+                if ok:
+                    self.counters["loaded_blocks"] += 1
+                elif op.cancelled:  # its request finished: not a failure of the tier
+                    self.counters["load_blocks_cancelled"] += 1
+                else:
+                    self.counters["load_failed_blocks"] += 1
                 if current and slot is not None and slot.states[i] is BlockState.LOADING:
                     slot.states[i] = BlockState.LOADED if ok else BlockState.LOAD_FAILED

@@ -19,9 +19,10 @@ MAX_LEASE_MS = 3_600_000
 # Every counter the core keeps (exported as kvdepot_<name>_total, at 0 until it first moves).
 COUNTERS = (
     "engines_registered", "engines_unregistered", "leases_expired",
-    "lookups", "lookup_asked_tokens", "lookup_hit_tokens", "pins_expired",
+    "lookups", "lookup_asked_tokens", "lookup_hit_tokens", "pins_expired", "lookups_unmapped", "store_blocks_unmapped",
     "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
     "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks", "store_blocks_cancelled",
+    "load_blocks_cancelled",
     "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
     "ops_expired", "cleared_blocks", "evictions",
     "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
@@ -183,6 +184,20 @@ class Engine:
     pin_tokens: int = 0  # prompt tokens its pins keep
     last_step: int = -1
     responses: OrderedDict[int, StepPlan] = field(default_factory=OrderedDict)
+    # Ranks whose KV memory the daemon has mapped. Until every rank's is, the engine is offered no
+    # hit and nothing of it is stored: a load would fail on the missing rank (with several ranks
+    # TensorRT-LLM cannot be told, so its KV would be wrong) and a store would keep a partial block.
+    mapped: set[int] = field(default_factory=set)
+    registered_ms: int = 0
+
+    @property
+    def moves_bytes(self) -> bool:
+        return self.layout.kind != "none"
+
+    @property
+    def mapped_in_full(self) -> bool:
+        """Every rank's memory is mapped (an engine that moves no bytes has none to map)."""
+        return not self.moves_bytes or len(self.mapped) >= self.layout.world_size
 
     def seed(self, cache_salt: str, lora_name: str) -> int:
         return scope_seed(salt_hash(cache_salt, lora_name), self.namespace, self.model)

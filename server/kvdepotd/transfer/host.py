@@ -180,8 +180,13 @@ class HostCopyEngine(CopyEngine):
             self.on_done(now)
 
     def cancel(self, op_id: OpId) -> None:
+        """The op ended: its parts touch no further engine block (a block being copied finishes)."""
         for p in self._live.get(op_id, ()):
             p.cancelled = True
+
+    def busy(self, op_id: OpId) -> bool:
+        """A part of the op is queued or copying: it may still touch the engine's blocks."""
+        return op_id in self._live
 
     def _start(self, plan: Part, mapping: RankMapping, layout: KvLayout) -> None:
         if self._loop is None:
@@ -307,10 +312,10 @@ class HostCopyEngine(CopyEngine):
         rank_off = rank * rank_bytes
         cls = plan.layout_class
         arena, faults = self.arena, self.faults
-        if first and not store and copy and faults.load_delay_ms:  # once per load, in its first batch
-            time.sleep(faults.load_delay_ms / 1000)
-        if first and store and faults.store_delay_ms:
-            time.sleep(faults.store_delay_ms / 1000)
+        if first and copy and (delay := faults.store_delay_ms if store else faults.load_delay_ms):  # once per op, in its first batch
+            end = time.monotonic() + delay / 1000
+            while not part.cancelled and time.monotonic() < end:  # a slow copy that still stops when its op ends
+                time.sleep(0.005)
         if store and not arena.ensure(max(w[3] for w in work) + rank_off + rank_bytes):  # memory behind the cells
             return [w[0] for w in work], [], arena.error
         if m.files and m.packed is None and m.shrunk():  # the native copy catches this itself, race and all
