@@ -46,6 +46,7 @@ BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is att
 RECENT_FAILURES = 32  # failures kept for GetStats (kvdepotd status)
 TICK_S = 0.05
 REMOTE_CHECK_S = 1.0  # how often the remote store's health is checked
+DETACHED_LEASE_MS = 5_000  # an engine whose last worker stream ended keeps its lease this long (a worker reconnects in about 1 s)
 UNMAPPED_GRACE_MS = 10_000  # an engine's ranks register their memory within this of its registration, or it is said
 Rank = tuple[EngineId, int]
 
@@ -300,10 +301,15 @@ class Runtime:
             ch.queue.put_nowait(queued)
 
     def detach(self, key: Rank, ch: WorkerChannel) -> bool:
-        if self.channels.get(key) is ch:
-            del self.channels[key]
-            return True
-        return False
+        """The stream ended. When it was the engine's last, its processes have most likely exited
+        (TensorRT-LLM calls no shutdown hook; a killed process says nothing): the engine's lease
+        runs out DETACHED_LEASE_MS from now unless a call of the engine renews it first."""
+        if self.channels.get(key) is not ch:
+            return False
+        del self.channels[key]
+        if key[0] in self.depot.engines and not any(k[0] == key[0] for k in self.channels):
+            self.depot.shorten_lease(key[0], now_ms() + DETACHED_LEASE_MS)
+        return True
 
     def attached_ranks(self, engine_id: EngineId) -> list[int]:
         return sorted(r for (eid, r) in self.channels if eid == engine_id)

@@ -4,6 +4,7 @@ driven over stdin for tests of several instances started with the same environme
     serve START N     runs the prompt range(START, START + N); prints {"rid", "matched", "bad_kv"}
     reset             drops the engine's own prefix cache
     quit              closes the connector and exits
+    exit              exits without a word to the connector (TensorRT-LLM calls no shutdown hook)
 
 Run as `python -m tests.trtllm.instance_proc MODEL WORLD_SIZE` from the repository root.
 """
@@ -34,6 +35,8 @@ def main() -> None:
             print(json.dumps({"reset": True}), flush=True)
         elif cmd[0] == "quit":
             break
+        elif cmd[0] == "exit":
+            return
     ex.close()
 
 

@@ -1,11 +1,19 @@
-"""The stand-ins (kvdepot.testing.trtllm) against TensorRT-LLM's own module: fields, defaults and
-abstract methods. Runs wherever `tensorrt_llm` imports (a CUDA machine with its wheel), skipped
-elsewhere; the last test pins what the connector relies on either way."""
+"""The stand-ins (kvdepot.testing.trtllm) and the connector against TensorRT-LLM's own API.
+
+CI cannot install TensorRT-LLM (its PyPI entry is a placeholder that fetches the real wheel from
+NVIDIA's index), so trtllm_api_record.json records the API as TensorRT-LLM's sources have it at
+named commits (classes, fields and defaults, methods and their parameters, which are abstract),
+transcribed from those sources. The stand-ins must be the newest recorded release exactly, and the
+connector must implement every recorded release: the day either drifts from the record, CI fails.
+Where `tensorrt_llm` imports (a CUDA machine with its wheel), the stand-ins are compared with the
+real module as well."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +22,9 @@ from kvdepot.testing import trtllm as stand_in
 from kvdepot.trtllm import api
 
 real = api.real_module()
+RECORD = json.loads((Path(__file__).parent / "trtllm_api_record.json").read_text())
+VERSIONS = RECORD["versions"]
+NEWEST = list(VERSIONS)[-1]
 needs_real = pytest.mark.skipif(real is None, reason="tensorrt_llm does not import here (its wheel needs CUDA; PyPI has a stub)")
 
 
@@ -66,3 +77,66 @@ def test_the_connector_subclasses_the_bases_in_use() -> None:
     assert not KvDepotScheduler.__abstractmethods__ and not KvDepotWorker.__abstractmethods__
     required = [f.name for f in dataclasses.fields(stand_in.RequestData)][:5]
     assert required == ["request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens"]
+
+
+def _params(fn: Any) -> list[list[Any]]:
+    """[name, default text or None] as the record writes them (stars kept on *args, **kwargs)."""
+    out: list[list[Any]] = []
+    for p in inspect.signature(fn).parameters.values():
+        name = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name  # type: ignore[call-overload]
+        out.append([name, None if p.default is p.empty else repr(p.default)])
+    return out
+
+
+def _own_methods(cls: type) -> set[str]:
+    return {n for n, v in vars(cls).items() if callable(v) or isinstance(v, (classmethod, staticmethod))}
+
+
+@pytest.mark.parametrize("name", ["RequestData", "SchedulerOutput"])
+def test_stand_in_data_is_the_newest_recorded_release(name: str) -> None:
+    recorded = VERSIONS[NEWEST]["classes"][name]["fields"]
+    theirs = [[f, "<required>" if d == "<required>" else d] for f, _, d in recorded]
+    ours = [[n, d if isinstance(d, str) else ("factory:list" if d == [] else repr(d))] for n, d in _fields(getattr(stand_in, name))]
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("name", ["KvCacheConnectorScheduler", "KvCacheConnectorWorker"])
+def test_stand_in_bases_are_the_newest_recorded_release(name: str) -> None:
+    """Method for method: names, parameters and their defaults, which are abstract; class flags."""
+    recorded = VERSIONS[NEWEST]["classes"][name]
+    cls = getattr(stand_in, name)
+    assert _own_methods(cls) == set(recorded["methods"]), _own_methods(cls) ^ set(recorded["methods"])
+    for method, rec in recorded["methods"].items():
+        fn = vars(cls)[method]
+        fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+        assert _params(fn) == rec["params"], method
+        assert getattr(fn, "__isabstractmethod__", False) == rec["abstract"], method
+    assert cls.__abstractmethods__ == {m for m, rec in recorded["methods"].items() if rec["abstract"]}
+    assert {k: repr(getattr(cls, k)) for k in recorded.get("attrs", {})} == recorded.get("attrs", {})
+
+
+def test_stand_in_connector_config_is_the_newest_recorded_release() -> None:
+    newest = list(RECORD["KvCacheConnectorConfig"].values())[-1]
+    assert [[n, d] for n, d in _fields(stand_in.KvCacheConnectorConfig)] == [[n, None if d == "None" else d] for n, _, d in newest["fields"]]
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_connector_implements_every_recorded_release(version: str) -> None:
+    """Every release's abstract methods are the connector's own, with that release's parameters;
+    a method the connector overrides has the parameters of each release that has it."""
+    from kvdepot.trtllm import KvDepotScheduler, KvDepotWorker
+
+    classes = VERSIONS[version]["classes"]
+    for ours, name in ((KvDepotScheduler, "KvCacheConnectorScheduler"), (KvDepotWorker, "KvCacheConnectorWorker")):
+        for method, rec in classes[name]["methods"].items():
+            if rec["abstract"]:
+                assert method in vars(ours), f"{ours.__name__} lacks {method} ({version})"
+            if method in vars(ours) and not method.startswith("__"):
+                assert _params(vars(ours)[method]) == rec["params"], (version, method)
+    required = [f for f, _, d in classes["RequestData"]["fields"] if d == "<required>"]
+    assert required == ["request_id", "new_tokens", "new_block_ids", "computed_position", "num_scheduled_tokens"]
+
+
+def test_the_record_names_its_sources() -> None:
+    for label, v in VERSIONS.items():
+        assert v["repo"] == "NVIDIA/TensorRT-LLM" and len(v["commit"]) == 40 and v["path"].endswith("kv_cache_connector.py"), label

@@ -311,15 +311,107 @@ def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_end
         d.stop()
 
 
-def test_a_multimodal_request_never_reaches_the_daemon(make: Make) -> None:
-    """Its tokens do not name its KV (image placeholders): no lookup, no slot, nothing stored."""
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_cache_manager_that_takes_less_than_offered(make: Make, monkeypatch: pytest.MonkeyPatch, load_async: bool) -> None:
+    """KVCacheManagerV2 may take fewer tokens than the connector offered (here 24 fewer, which ends
+    mid-block) and compute the rest. Every position of the engine's KV is right, the daemon stores
+    only blocks the engine had computed (in 32-token chunks, its count of computed tokens must not
+    run ahead), and a fresh engine loads all of it byte-exact."""
+    monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", str(load_async).lower())
+    ex = make(chunk_size=32, honour=lambda E: max(0, E - 24))
+    p = prompt(150)
+    a = ex.add(p)
+    ex.run()
+    ex.reset_prefix_cache()
+    longer = p + prompt(66, start=5000)  # 216 tokens: blocks 9-12 are new
+    b = ex.add(longer)
+    ex.run()
+    assert ex.matched[b.request_id] == (0, 120, load_async)  # 144 offered, 120 taken: block 7 loaded, half recomputed
+    assert ex.bad_kv[a.request_id] == [] and ex.bad_kv[b.request_id] == []
+    assert counters(ex)["store_blocks_planned"] == 9 + 4
+    fresh = make(model=ex.llm_args.model)
+    c = fresh.add(longer)
+    fresh.run()
+    assert fresh.matched[c.request_id] == (0, 208, load_async) and fresh.bad_kv[c.request_id] == []
+
+
+@pytest.mark.parametrize("field", ["multimodal_hashes", "multimodal_positions", "prompt_embedding_table"])
+def test_a_multimodal_request_never_reaches_the_daemon(make: Make, field: str) -> None:
+    """Its tokens do not name its KV (image placeholders, embeddings): no lookup, no slot, nothing
+    stored. The fields are the C++ binding's, which get_num_new_matched_tokens receives."""
     ex = make()
     r = ex.add(prompt(100))
-    r.multimodal_hashes = [[1, 2, 3, 4]]  # type: ignore[attr-defined]
+    setattr(r, field, [[1, 2, 3, 4]] if field == "multimodal_hashes" else [5, 9])
     ex.run()
     assert ex.bad_kv[r.request_id] == []
     c = counters(ex)
     assert c["lookups"] == 0 and c["slots_created"] == 0 and c["store_blocks_planned"] == 0
+
+
+def test_salted_requests_share_blocks_only_with_their_salt(make: Make) -> None:
+    """A salt keeps requests with the same tokens apart: the newest releases' cache_salt (a
+    string) and the binding's cache_salt_id (an integer) alike."""
+    ex = make()
+    p = prompt(100)
+    for kw in ({"cache_salt_id": 7}, {"cache_salt": "tenant-a"}):
+        first = ex.add(p, **kw)  # type: ignore[arg-type]
+        ex.run()
+        ex.reset_prefix_cache()
+        other = ex.add(p, **({"cache_salt_id": 8} if "cache_salt_id" in kw else {"cache_salt": "tenant-b"}))  # type: ignore[arg-type]
+        ex.run()
+        ex.reset_prefix_cache()
+        same = ex.add(p, **kw)  # type: ignore[arg-type]
+        ex.run()
+        ex.reset_prefix_cache()
+        assert ex.matched[other.request_id][1] == 0 and ex.matched[same.request_id][1] == 96, kw
+        assert all(ex.bad_kv[r.request_id] == [] for r in (first, other, same))
+
+
+def test_server_url_in_tensorrt_llms_form_reaches_the_daemon(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kv_connector_config.server_url as TensorRT-LLM documents it: tcp://host:port."""
+    from kvdepot.testing.trtllm import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+    from tests.trtllm.conftest import layout
+
+    monkeypatch.delenv("KVDEPOT_ADDRESS", raising=False)
+    cfg = KvCacheConnectorConfig(connector_module="kvdepot.trtllm", connector_scheduler_class="KvDepotScheduler",
+                                 connector_worker_class="KvDepotWorker", server_url="tcp://" + daemon.tcp)
+    args = TorchLlmArgs(model="server-url-model", kv_cache_config=KvCacheConfig(tokens_per_block=BS), kv_connector_config=cfg)
+    ex = StandInExecutor(layout(), 64, args)
+    try:
+        served_twice(ex, prompt(100))
+        assert ex.scheduler.side.client.address == daemon.tcp
+    finally:
+        ex.close()
+
+
+def test_a_cache_of_several_layer_groups_is_refused_at_start(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """KVCacheManagerV2 registers a cache through register_kv_cache_layout: one pool is served as
+    always; a cache of several layer groups (variable sliding windows) is refused when the engine
+    starts, said once, and the engine runs without kvdepot (its per-group callbacks are no-ops)."""
+    import torch
+
+    from kvdepot.testing.trtllm import KvCacheConfig, KvCacheLayout, LlmRequest, TorchLlmArgs
+    from kvdepot.trtllm import KvDepotScheduler, KvDepotWorker
+
+    monkeypatch.setenv("KVDEPOT_ADDRESS", daemon.tcp)
+    pool = torch.zeros(8, 2, 2, 16 * BS, dtype=torch.float16)
+    for groups, served in (([[pool], [pool]], False), ([[pool]], True)):
+        args = TorchLlmArgs(model=f"vswa-{len(groups)}", kv_cache_config=KvCacheConfig(tokens_per_block=BS))
+        sched, worker = KvDepotScheduler(args), KvDepotWorker(args)
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.ERROR, logger="kvdepot.trtllm"):
+                worker.register_kv_cache_layout(KvCacheLayout(groups))
+                sched.wait_for_initialization()
+            assert ("not one pool (2 layer groups)" in caplog.text) != served
+            assert (sched.side.client is not None) == served
+            r = LlmRequest(1, prompt(100), 4)
+            assert sched.get_num_new_matched_tokens(r, 0) == (0, False)
+            sched.update_state_after_alloc_by_layer_group(r, [list(range(7))] * len(groups))
+            assert sched.request_finished_by_layer_group(r, [list(range(7))] * len(groups)) is False
+        finally:
+            sched.shutdown()
+            worker.shutdown()
 
 
 def test_an_engine_the_connector_cannot_serve_runs_without_it(monkeypatch: pytest.MonkeyPatch, daemon: DaemonProcess, caplog: pytest.LogCaptureFixture) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,3 +148,35 @@ def test_rank_0_that_cannot_share_its_pool_leaves_the_connector_idle(make: Make,
             assert ex.matched[r.request_id] == (0, 0, False) and ex.bad_kv[r.request_id] == []
     assert ex.scheduler.side.client is None
     assert caplog.text.count("cannot share the KV cache with the daemon") == 1
+
+
+def engines_of(address: str, model: str) -> list[Any]:
+    with DepotClient(address) as c:
+        return [e for e in c.engines() if e.model == model]
+
+
+def test_an_instance_that_exits_or_dies_leaves_the_daemon_at_once(daemon: DaemonProcess, instances: list[InstanceProc]) -> None:
+    """TensorRT-LLM calls no connector shutdown: an instance that exits is unregistered at exit,
+    and one killed outright is let go once its worker streams ended (DETACHED_LEASE_MS), not
+    after its 30-second lease."""
+    env = {**os.environ, "KVDEPOT_ADDRESS": daemon.tcp, "PYTHONPATH": str(ROOT)}
+    for how in ("exit", "kill"):
+        model = f"leaving-{how}"
+        inst = InstanceProc(model, env, world_size=2)
+        instances.append(inst)
+        inst.ask("serve 1 100")
+        assert len(engines_of(daemon.tcp, model)) == 1
+        t0 = time.monotonic()
+        if how == "exit":
+            assert inst.proc.stdin is not None
+            inst.proc.stdin.write("exit\n")
+            inst.proc.stdin.flush()
+            assert inst.proc.wait(20) == 0
+        else:
+            inst.proc.send_signal(signal.SIGKILL)
+            inst.proc.wait(20)
+        while engines_of(daemon.tcp, model):
+            assert time.monotonic() - t0 < 12, how
+            time.sleep(0.1)
+        if how == "exit":
+            assert time.monotonic() - t0 < 3

@@ -109,6 +109,27 @@ def test_layout_from_the_pool() -> None:
         layout_of(torch.empty(10, 4, 2, 100, dtype=torch.float16), args())
     with pytest.raises(ValueError, match="shape"):
         layout_of(torch.empty(10, 4, 2, 16, 8, dtype=torch.float16), args())
+
+
+def test_what_the_connector_refuses_at_start() -> None:
+    """docs/trtllm.md's list of limits, each checked where the engine starts."""
+    from kvdepot.testing.trtllm import SchedulerConfig
+
     assert check_args(args(pipeline_parallel_size=2)).startswith("pipeline parallelism")
     assert check_args(args(max_beam_width=2)) == "beam width must be 1"
+    assert check_args(args(backend="tensorrt")).startswith("the connector API needs the PyTorch backend")
+    assert check_args(args(enable_attention_dp=True)).startswith("attention data parallelism")
+    assert "set kv_cache_config.enable_block_reuse: true" in check_args(
+        TorchLlmArgs(model="m", kv_cache_config=KvCacheConfig(tokens_per_block=16, enable_block_reuse=False))
+    )
+    assert "needs GUARANTEED_NO_EVICT" in check_args(args(scheduler_config=SchedulerConfig("MAX_UTILIZATION")))
     assert check_args(args()) == ""
+
+
+def test_server_url_in_the_documented_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorRT-LLM documents kv_connector_config.server_url as tcp://host:port."""
+    assert settings(args(kv_connector_config=SimpleNamespace(server_url="tcp://daemon-1:50061"))).address == "daemon-1:50061"
+    with pytest.raises(ValueError, match="must be tcp://HOST:PORT"):
+        settings(args(kv_connector_config=SimpleNamespace(server_url="tcp://daemon-1")))
+    monkeypatch.setenv("KVDEPOT_ADDRESS", "tcp://10.0.0.7:6000")
+    assert settings(args()).address == "10.0.0.7:6000"

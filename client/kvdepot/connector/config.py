@@ -3,7 +3,7 @@ keys; TensorRT-LLM's config refuses keys it does not know, so its connector read
 from KVDEPOT_<KEY> environment variables and from a YAML, TOML or JSON file named by
 $KVDEPOT_CONNECTOR_CONFIG (from_env; the variables win).
 
-    address             the daemon: HOST:PORT, unix:PATH or unix:///abs/path
+    address             the daemon: HOST:PORT, tcp://HOST:PORT, unix:PATH or unix:///abs/path
                         (default: $KVDEPOT_ADDRESS, else 127.0.0.1:50061)
     namespace           tenant; blocks are shared only within one namespace (default "")
     load_async          loads run while vLLM schedules other requests (WAITING_FOR_REMOTE_KVS)
@@ -91,6 +91,7 @@ class ConnectorConfig:
                 check_token(out["token"])
         except ValueError as e:
             raise ValueError(f"kvdepot: {e}") from None
+        out["address"] = _address(out["address"])
         cfg = ConnectorConfig(**out)
         if cfg.late_load_checks not in ("auto", "true", "false"):
             raise ValueError(f"kvdepot: late_load_checks must be auto, true or false, got {cfg.late_load_checks!r}")
@@ -101,6 +102,18 @@ class ConnectorConfig:
         if bool(cfg.tls_cert) != bool(cfg.tls_key):
             raise ValueError("kvdepot: tls_cert and tls_key go together")
         return cfg
+
+
+def _address(address: str) -> str:
+    """The daemon's address as the client takes it: tcp://HOST:PORT (the form TensorRT-LLM's
+    server_url documents) is HOST:PORT."""
+    if address.startswith("tcp://"):
+        rest = address[len("tcp://") :].rstrip("/")
+        host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"kvdepot: address {address!r} must be tcp://HOST:PORT")
+        return rest
+    return address
 
 
 def from_env(environ: Mapping[str, str], **defaults: Any) -> ConnectorConfig:

@@ -10,7 +10,6 @@ import collections
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +25,7 @@ from kvdepot.layout import KvLayout
 from kvdepot.messages import LoadCopied, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
 
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
+STARTUP_WAIT_S = 10.0  # the most an engine's start-up waits for the daemon to map its workers' KV memory
 
 
 @dataclass
@@ -85,14 +85,9 @@ def wait_mapped(client: DepotClient, timeout_s: float, log: logging.Logger) -> b
 
 def close_at_exit(side: Any) -> None:
     """side.close() when the process exits: TensorRT-LLM calls no shutdown hook, and a daemon that
-    heard nothing would hold the engine's slots and pins until its lease ran out."""
-    ref = weakref.ref(side)
-
-    def close() -> None:
-        if (s := ref()) is not None:
-            s.close()
-
-    atexit.register(close)
+    heard nothing would hold the engine's slots and pins until its lease ran out. (Held strongly:
+    the engine may have dropped its connector objects by then; close() is idempotent.)"""
+    atexit.register(side.close)
 
 
 def disconnect(client: DepotClient | None) -> None:

@@ -5,7 +5,7 @@ without TensorRT-LLM. It drives the connector exactly as TensorRT-LLM does
 
     * construction: the module is imported and the classes looked up by name; a worker per rank,
       the scheduler on rank 0 only, both built from the LLM arguments; register_kv_caches(pool)
-      on every rank once the pool exists;
+      on every rank once the pool exists, then wait_for_initialization() on rank 0;
     * admission (the KV cache manager's addSequence): the engine's own prefix hit L (whole
       blocks, at most n-1 tokens, block reuse), get_num_new_matched_tokens(request, L) -> (E,
       async) ((0, True) raises), blocks for the whole prompt, context_current_position = L + E,
@@ -27,7 +27,9 @@ without TensorRT-LLM. It drives the connector exactly as TensorRT-LLM does
       whether its blocks are freed now (False) or once every rank returned it as saved (True),
       as in the releases before TensorRT-LLM's newest (which also keeps a request whose async load
       is pending), so a connector that answers False while its load still writes is caught;
-    * admission waits while the pool has too few free blocks for a request (GUARANTEED_NO_EVICT).
+    * admission waits while the pool has too few free blocks for a request (GUARANTEED_NO_EVICT);
+    * `honour`: the KV cache manager takes less of an offer than the connector made
+      (KVCacheManagerV2's commit_new_matched_tokens) and computes the rest.
 
 After each context phase it checks every position's KV on every rank against what a forward
 writes (`bad_kv`): a load that brought wrong bytes shows up there.
@@ -40,6 +42,7 @@ import importlib
 import pickle
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from kvdepot.layout import KvLayout
@@ -187,13 +190,17 @@ class StandInExecutor:
         chunk_size: int = 0,
         max_batch: int = 8,
         device: str = "cpu",
+        honour: Callable[[int], int] | None = None,
     ) -> None:
+        """`honour(E)`: the tokens of a connector's offer the KV cache manager takes (KVCacheManagerV2
+        may take fewer, recorded in request.py_num_connector_matched_tokens; it computes the rest)."""
         assert layout.kind == "trtllm" and layout.block_size == llm_args.kv_cache_config.tokens_per_block
         self.layout, self.bs, self.world = layout, layout.block_size, layout.world_size
         self.kv = FakeKv(layout, num_blocks, device)
         self.blocks = _Blocks(num_blocks, self.bs)
         self.chunk_size = chunk_size
         self.max_batch = max_batch
+        self.honour = honour
         self.llm_args = llm_args
         module = importlib.import_module(connector_module)
         worker_cls, scheduler_cls = getattr(module, worker_class), getattr(module, scheduler_class)
@@ -207,6 +214,7 @@ class StandInExecutor:
             api.set_rank(rank)
             worker.register_kv_caches(self.kv.ranks[rank][0])
         api.set_rank(0)
+        self.scheduler.wait_for_initialization()
         self.output = _OutputManager()
         self.new_async = _Async()
         self.pending = [_Async() for _ in range(self.world)]
@@ -313,10 +321,12 @@ class StandInExecutor:
                 break  # its blocks are not free yet (a finished request still saving holds some)
             self.waiting.popleft()
             L = len(hit) * self.bs
-            E, is_async = self.scheduler.get_num_new_matched_tokens(req, L)
-            if E == 0 and is_async:
+            offered, is_async = self.scheduler.get_num_new_matched_tokens(req, L)
+            if offered == 0 and is_async:
                 raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
-            if is_async:
+            E = offered if self.honour is None else self.honour(offered)
+            req.py_num_connector_matched_tokens = E
+            if is_async:  # even when less is honoured: the load was asked for
                 self.new_async.loading[req.request_id] = req
             self.output.external_loads[req.request_id] = E
             n = -(-len(tokens) // self.bs) - len(hit)

@@ -51,13 +51,25 @@ def model_of(llm_args: Any) -> str:
 
 
 def check_args(llm_args: Any) -> str:
-    """Why kvdepot cannot serve this engine, or ""."""
+    """Why kvdepot cannot serve this engine, or "": the limits of TensorRT-LLM's connector API that
+    its releases enforce unevenly, and kvdepot's own (docs/trtllm.md lists them)."""
+    kv = getattr(llm_args, "kv_cache_config", None)
+    policy = getattr(getattr(llm_args, "scheduler_config", None), "capacity_scheduler_policy", None)
     if getattr(llm_args, "backend", "pytorch") not in (None, "pytorch"):
         return f"the connector API needs the PyTorch backend, not {llm_args.backend!r}"
+    if kv is not None and getattr(kv, "enable_block_reuse", True) is False:
+        return (
+            "kv_cache_config.enable_block_reuse is false: TensorRT-LLM then never asks a connector for a match, so "
+            "nothing could be loaded (set kv_cache_config.enable_block_reuse: true; kvdepot adds tiers below that cache)"
+        )
+    if policy is not None and str(getattr(policy, "name", policy)).rsplit(".", 1)[-1] != "GUARANTEED_NO_EVICT":
+        return f"the capacity scheduler policy is {policy}; TensorRT-LLM's connector API needs GUARANTEED_NO_EVICT"
     if int(getattr(llm_args, "pipeline_parallel_size", 1) or 1) != 1:
         return "pipeline parallelism is not supported (TensorRT-LLM's connector API refuses it too)"
     if int(getattr(llm_args, "max_beam_width", 1) or 1) != 1:
         return "beam width must be 1"
+    if getattr(llm_args, "enable_attention_dp", False):
+        return "attention data parallelism is not supported (each rank would own its own requests and blocks)"
     return ""
 
 

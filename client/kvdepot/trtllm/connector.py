@@ -41,6 +41,20 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         return self.side.finished(request)
 
+    # KVCacheManagerV2 with several layer groups calls these instead: the worker refused such a cache
+    # at registration, so the scheduler never connected and nothing reaches the daemon.
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
+        if len(block_ids_by_layer_group) == 1:
+            self.side.allocated(request, block_ids_by_layer_group[0])
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+        return self.side.finished(request)
+
+    def wait_for_initialization(self) -> None:
+        """Newer releases, once every rank registered its pool: the engine serves once the daemon
+        has mapped them all (before, every lookup would be a miss)."""
+        self.side.wait_mapped()
+
     def shutdown(self) -> None:
         self.side.close()
 
@@ -52,6 +66,17 @@ class KvDepotWorker(KvCacheConnectorWorker):
 
     def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
         self.side.register(kv_cache_tensor, mpi_rank())
+
+    def register_kv_cache_layout(self, layout: Any) -> None:
+        """Newer releases' cache managers: one pool tensor is served as always; a cache that is not
+        one pool (several layer groups or regions: variable sliding windows, block scales) is
+        refused here, said once, and the engine runs without kvdepot."""
+        pool = layout.as_single_pool_tensor()
+        why = "" if pool is not None else (
+            f"the KV cache is not one pool ({len(layout.groups)} layer groups): kvdepot serves one pool of whole blocks, "
+            "so it stays off for this model"
+        )
+        self.side.register(pool, mpi_rank(), why)
 
     def bind_connector_meta(self, metadata: object) -> None:
         super().bind_connector_meta(metadata)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvdepot.client import DepotClient
 from kvdepot.connector.config import ConnectorConfig
-from kvdepot.connector.worker import close_at_exit, connect, disconnect, load_jobs, send_step
+from kvdepot.connector.worker import STARTUP_WAIT_S, close_at_exit, connect, disconnect, load_jobs, send_step, wait_mapped
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
 from kvdepot.connector.instance import Instance, mint
 from kvdepot.trtllm.common import STYLE, TrtllmMeta
@@ -46,6 +46,7 @@ class ReqState:
     sent_end: int = 0  # computed + scheduled of the last update sent (the daemon's terms)
     stores: dict[int, int] = field(default_factory=dict)  # store op id -> deadline (unix ms): may still read its blocks
     loads: dict[int, int] = field(default_factory=dict)  # load op id -> deadline (unix ms): may still write its blocks
+    short: int = 0  # loaded tokens the engine computes again (it honoured less than offered, mid-block)
     lost: bool = False  # no more updates (a Step carrying one went unanswered, or blocks without pages)
     unknown: bool = False  # a Step carrying its update went unanswered: what the daemon planned is unknown
 
@@ -87,15 +88,21 @@ class SchedulerSide:
 
     @staticmethod
     def _usable(request: Any) -> bool:
-        # Tokens alone do not name multimodal or embedding-fed KV: such requests stay with the engine.
-        for attr in ("multimodal_hashes", "py_multimodal_data", "prompt_embedding_table"):
+        """Tokens alone do not name multimodal or embedding-fed KV: such requests stay with the
+        engine. get_num_new_matched_tokens gets the C++ binding's LlmRequest, which has no py_*
+        attributes: these are the binding's (None where unset), the Python subclass's too."""
+        for attr in ("multimodal_hashes", "multimodal_positions", "prompt_embedding_table", "py_multimodal_data"):
             if getattr(request, attr, None) is not None:
                 return False
         return True
 
     @staticmethod
     def _names(request: Any) -> tuple[str, str]:
+        """The salt (the newest releases pass cache_salt, a string; one binding has cache_salt_id,
+        an integer) and the LoRA adapter, folded into the block hashes."""
         salt = getattr(request, "cache_salt", None) or ""
+        if not salt and (salt_id := getattr(request, "cache_salt_id", None)) is not None:
+            salt = f"trtllm-salt-id-{salt_id}"
         lora = getattr(request, "lora_task_id", None)
         return str(salt), "" if lora is None else f"trtllm-lora-{lora}"
 
@@ -127,6 +134,14 @@ class SchedulerSide:
         if guess is None or self.client is None:
             return
         L, E, is_async, tokens = guess
+        # KVCacheManagerV2 may honour fewer tokens than offered (it allocates a chunk at a time) and
+        # computes the rest; it records what it took on the request. The last block it takes in
+        # part is loaded whole (the engine counts those positions as loaded) and then recomputed.
+        honoured = getattr(request, "py_num_connector_matched_tokens", None)
+        short = 0
+        if isinstance(honoured, int) and 0 <= honoured < E:
+            short = -honoured % self.bs  # loaded positions the engine computes again
+            E = honoured + short
         st = self.reqs.get(rid)
         if st is None:
             st = self.reqs[rid] = ReqState(request)
@@ -134,6 +149,7 @@ class SchedulerSide:
             self.to_preempt.append(rid)  # the daemon lets go of the old blocks before the new row
         st.request = request  # the engine's object of this admission (rewind moves its position)
         st.L, st.E, st.is_async, st.table, st.announced = L, E, is_async, list(block_ids), False
+        st.short = short
         st.tokens = tokens
         self._check_table(st)
         st.sent_blocks = st.sent_end = 0
@@ -220,8 +236,12 @@ class SchedulerSide:
             st.epoch, st.sent_tokens = self.client.epoch, 0
         if st.lost:
             return
-        # The daemon's terms: a synchronous load's tokens are computed (TensorRT-LLM leaves them out).
-        end = (st.L + st.E if C == st.L and st.E else C) + S
+        # The daemon's terms: a synchronous load's tokens are computed (TensorRT-LLM leaves them out),
+        # and the tokens of its last block the engine computes again are not computed twice.
+        sync_load = C == st.L and st.E
+        if sync_load and st.short:
+            S = max(0, S - st.short)
+        end = (st.L + st.E if sync_load else C) + S
         # A new update carries the whole sequence the daemon holds, and what this step computes.
         upto = min(len(st.tokens), max(end, st.L + st.E, st.sent_tokens))
         salt, lora = self._names(st.request)
@@ -295,6 +315,10 @@ class SchedulerSide:
             return True
         self.to_forget.append(rid)
         return False
+
+    def wait_mapped(self) -> None:
+        if self.ready() and self.client is not None:
+            wait_mapped(self.client, STARTUP_WAIT_S, log)
 
     def close(self) -> None:
         disconnect(self.client)

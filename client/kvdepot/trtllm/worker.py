@@ -33,22 +33,22 @@ class TrtllmWorkerSide(WorkerSide):
         self.failed: dict[str, list[int]] = {}  # request -> its blocks whose load failed, not yet acted on
         self.ops_of: dict[str, dict[int, int]] = {}  # request -> its ops (id -> deadline ms), from the metadata
 
-    def register(self, pool: torch.Tensor, rank: int) -> None:
+    def register(self, pool: torch.Tensor | None, rank: int, why: str = "") -> None:
         """Shares the pool; rank 0 hands its layout to the scheduler in its process, which registers
         the engine; every rank joins it under the key the scheduler minted, which rank 0 broadcasts
         here over TensorRT-LLM's own communicator (without MPI, the first step's metadata brings it).
         A rank whose pool cannot be shared never joins, and the daemon then offers this engine no
         hit and stores nothing of it; rank 0's: the scheduler never connects."""
-        why = check_args(self.llm_args)
+        why = why or check_args(self.llm_args)
         try:
-            layout = None if why else layout_of(pool, self.llm_args)
+            layout = None if why or pool is None else layout_of(pool, self.llm_args)
         except ValueError as e:
             layout, why = None, str(e)
         if layout is None:
             log.error("kvdepot: connector disabled: %s", why)
         else:
             self.layout = layout
-        shared = layout is not None and self.share([pool], ["kv_pool"], int(pool.shape[0]), rank)
+        shared = layout is not None and pool is not None and self.share([pool], ["kv_pool"], int(pool.shape[0]), rank)
         if shared and rank == 0 and (scheduler := self.instance.scheduler) is not None:
             self.instance.publish(layout)  # type: ignore[arg-type]
             scheduler.ready()

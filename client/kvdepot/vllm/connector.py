@@ -88,6 +88,12 @@ class KvDepotConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a future miss
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 and later: no. The daemon holds the KV tensors vLLM shared at registration
+        (shared memory, CUDA IPC handles); after a sleep the engine's memory is another."""
+        return False
+
     # -- scheduler role -----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None

@@ -16,7 +16,7 @@ from kvdepot.messages import StepBatch, StepResult, cached_update_needed
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.client import DepotClient
 from kvdepot.connector.instance import mint
-from kvdepot.connector.worker import close_at_exit, connect, disconnect, load_jobs, send_step, wait_mapped
+from kvdepot.connector.worker import STARTUP_WAIT_S, close_at_exit, connect, disconnect, load_jobs, send_step, wait_mapped
 from kvdepot.vllm.common import KvDepotMetadata
 
 if TYPE_CHECKING:
@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvdepot.vllm")
 # Finish reasons that come from a sampled token, so from a forward after all of the request's loads.
-STARTUP_WAIT_S = 10.0  # the most vLLM's start-up waits for the daemon to map the workers' KV memory
 _SAMPLED_STOPS = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_REPETITION)
 
 

@@ -2,6 +2,7 @@
 
 Primitives (called by the runtime on the event loop, one at a time; `now_ms` is passed in):
     register_engine / renew_lease / unregister_engine     engine lifecycle with a lease
+    shorten_lease(id, until_ms)       the lease ends by then unless renewed (its worker streams ended)
     leave_engine(id) -> bool          one process of an engine leaves; True when it was the last
     engine(id) / engine_rank(id, rank) / capacity_blocks(id)   an engine (NotFound, InvalidRequest)
     domain_for(layout_class, block_bytes, world_size)      a layout class's pools, made on first use
@@ -147,6 +148,12 @@ class Depot:
         eng = self.engine(engine_id)
         eng.lease_expires_ms = now_ms + eng.lease_ms
         return eng.lease_expires_ms
+
+    def shorten_lease(self, engine_id: EngineId, until_ms: int) -> None:
+        """The engine's lease ends at `until_ms` at the latest (its workers' streams all ended);
+        any call of the engine renews it in full."""
+        eng = self.engine(engine_id)
+        eng.lease_expires_ms = min(eng.lease_expires_ms, until_ms)
 
     def leave_engine(self, engine_id: EngineId) -> bool:
         """A process of the engine unregisters: True when it was the last one, and the engine should
