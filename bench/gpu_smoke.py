@@ -41,7 +41,7 @@ def main() -> int:
         kv = [torch.randn(2, nb + 1, 16, 8, 128, device="cuda", generator=g).half() for _ in range(lay.num_layers)]
         original = [t.clone() for t in kv]
         torch.cuda.synchronize()
-        w.register_kv_caches(export_cuda_tensors(kv, nb + 1))
+        w.register_kv_caches(export_cuda_tensors(kv, nb + 1)[0])
 
         def wait_op(op_id: int) -> None:
             evs = w.wait(lambda es: any(isinstance(e, OpCompleted) and e.op_id == op_id for e in es), 120)

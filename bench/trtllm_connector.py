@@ -7,14 +7,18 @@ Prints one JSON line:
                                 block completing every block_size steps (the connector sends an
                                 update only then: most steps cost no round trip)
   decode{N}_rpc_share           the share of steps that sent a Step
+  registration_ms_p50 / _max    a two-rank engine's start: both workers built, their pools
+                                registered, the scheduler's engine made and joined, until every
+                                rank's memory is mapped (the connector's whole share of start-up)
 
-    python bench/trtllm_connector.py [--requests 256] [--steps 512]
+    python bench/trtllm_connector.py [--requests 256] [--steps 512] [--registrations 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,17 +27,35 @@ from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.instance import Instance
 from kvdepot.layout import KvLayout
 from kvdepot.testing import DaemonProcess
-from kvdepot.testing.trtllm import LlmRequest, RequestData, SchedulerOutput
+from kvdepot.testing.trtllm import KvCacheConfig, LlmRequest, RequestData, SchedulerOutput, TorchLlmArgs
+from kvdepot.testing.trtllm_executor import StandInExecutor
 from kvdepot.trtllm.common import TrtllmMeta
 from kvdepot.trtllm.scheduler import SchedulerSide
 
 BS = 16
 
 
+def registrations(d: DaemonProcess, n: int) -> list[float]:
+    """Milliseconds from building a two-rank engine to every rank mapped (memfds at unix:)."""
+    os.environ["KVDEPOT_ADDRESS"] = d.unix
+    lay = KvLayout(num_layers=2, num_kv_heads=1, head_size=1024, dtype="float16", block_size=BS, world_size=2, kind="trtllm")
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        ex = StandInExecutor(lay, 256, TorchLlmArgs(model=f"bench-reg-{i}", kv_cache_config=KvCacheConfig(tokens_per_block=BS), tensor_parallel_size=2))
+        c = ex.scheduler.side.client
+        while c is None or not c.engine_id or len(next(e for e in c.engines() if e.engine_id == c.engine_id).mapped_ranks) < 2:
+            time.sleep(0.001)
+        out.append((time.perf_counter() - t0) * 1000)
+        ex.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=512)
+    ap.add_argument("--registrations", type=int, default=5)
     args = ap.parse_args()
     n = args.requests
     d = DaemonProcess(args=["--host-gib", "0.25"]).start()
@@ -68,12 +90,13 @@ def main() -> int:
             times.append((time.perf_counter() - t0) * 1000)
         rpcs = side.client.stats().counters["steps"] - steps_before
         times.sort()
+        side.close()
+        reg = registrations(d, args.registrations)
         print(json.dumps({
             "bench": "trtllm_connector", f"decode{n}_p50_ms": round(statistics.median(times), 3),
             f"decode{n}_p99_ms": round(times[int(len(times) * 0.99) - 1], 3), f"decode{n}_rpc_share": round(rpcs / len(times), 3),
-            "steps": len(times),
+            "steps": len(times), "registration_ms_p50": round(statistics.median(reg), 1), "registration_ms_max": round(max(reg), 1),
         }))
-        side.close()
     finally:
         d.stop()
     return 0

@@ -58,9 +58,10 @@ class AsyncDepotClient(ClientCore):
         late_load_checks: bool = False,
         keep_trying: bool = False,
         join: bool = False,
+        engine_copies: bool = False,
     ) -> str:
         """As DepotClient.register_engine."""
-        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks, join)
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks, join, engine_copies)
         await self._try_register(raise_errors=True, keep_trying=keep_trying)
         if self._keeper is None:
             self._keeper = asyncio.get_running_loop().create_task(self._keep())

@@ -75,6 +75,7 @@ class DepotClient(ClientCore):
         late_load_checks: bool = False,
         keep_trying: bool = False,
         join: bool = False,
+        engine_copies: bool = False,
     ) -> str:
         """Registers the engine and starts the keeper; returns the engine id. A daemon that does not
         answer raises kvdepot.errors.Unavailable naming the address, unless `keep_trying` (an
@@ -85,10 +86,11 @@ class DepotClient(ClientCore):
         Processes of one engine (a scheduler and its workers) pass the same `engine_key` and share
         one engine id; with `join` this registration only joins the live engine of that key (NOT_FOUND
         when there is none; the keeper tries again, as after a daemon restart its creator may not
-        have registered again yet). `late_load_checks`: the engine can take a load's failure after the step that
+        have registered again yet). `engine_copies`: the engine's workers copy its blocks
+        themselves (kvdepot.engine_copy). `late_load_checks`: the engine can take a load's failure after the step that
         used the blocks and discard that step's output (vLLM can); its loads then report LoadCopied
         before their checksums are checked, and OpCompleted after."""
-        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks, join)
+        self._start_registration(model, layout, name, namespace, update_style, lease_ms, engine_key, late_load_checks, join, engine_copies)
         self._try_register(raise_errors=True, keep_trying=keep_trying)
         if self._keeper is None:
             self._keeper = threading.Thread(target=self._keep, name="kvdepot-keeper", daemon=True)

@@ -132,12 +132,12 @@ class ClientCore:
 
     def _start_registration(
         self, model: str, layout: KvLayout, name: str, namespace: str, update_style: str, lease_ms: int, key: str, late_load_checks: bool,
-        join: bool = False,
+        join: bool = False, engine_copies: bool = False,
     ) -> None:
         layout.validate()
         if join and not key:
             raise ValueError("a join names the engine's key")
-        self._reg = Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key, late_load_checks, join))
+        self._reg = Registration(m.register_pb(model, layout, name, namespace, update_style, lease_ms, key, late_load_checks, join, engine_copies))
 
     def _registration_failed(self, e: grpc.RpcError, raise_errors: bool, keep_trying: bool = True) -> bool:
         """False when the daemon did not answer, or a join found no engine yet, and the keeper

@@ -6,7 +6,9 @@
                                  a storage (vLLM CPU's per-layer views) keep sharing one file
     share_cpu_tensors_memfd(...) the same onto sealed memfds, handed to the daemon over its handoff
                                  socket (a daemon reached at unix:PATH): no file, no shared user
-    export_cuda_tensors(tensors) torch's CUDA IPC sharing fields, per storage
+    export_cuda_tensors(tensors) torch's CUDA IPC sharing fields per storage, else the CUDA driver's
+                                 handles (kvdepot.cuda_export: memory of any allocator)
+    engine_copy_request(tensors) the registration of a rank that copies its blocks itself
     remove_shm_files(paths)      unlinks what share_cpu_tensors created (also done at interpreter exit;
                                  the mappings stay valid, the files only serve a daemon that restarts)
     remove_stale_files()         unlinks files of engine processes that died without exiting (done
@@ -26,6 +28,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvdepot import cuda_export
+from kvdepot.cuda_export import Unshareable
 from kvdepot.v1 import kvdepot_pb2 as pb
 
 SHM_DIR = "/dev/shm"
@@ -138,24 +142,49 @@ def _move_cpu_tensors(
     return pb.RegisterKvCachesRequest(num_blocks=num_blocks, storages=handles, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)])
 
 
-def export_cuda_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = ()) -> pb.RegisterKvCachesRequest:
-    """CUDA IPC handles of the tensors' storages (the tensors must stay alive while registered)."""
+def export_cuda_tensors(
+    tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = (), may_hand_over: bool = False
+) -> tuple[pb.RegisterKvCachesRequest, list[int]]:
+    """Handles of the tensors' storages (the tensors must stay alive while registered) and the
+    descriptors to hand over with them: torch's CUDA IPC sharing for memory of torch's allocator,
+    else the CUDA driver's (kvdepot.cuda_export: any allocator; virtual memory as descriptors, when
+    `may_hand_over`). Unshareable when neither can export a storage."""
     storages, which = _group(tensors)
-    handles = []
-    for s in storages:
-        if s.device.type != "cuda":
-            raise ValueError("export_cuda_tensors takes CUDA tensors")
-        device, handle, size, offset, ref_handle, ref_offset, event, event_sync = s._share_cuda_()
-        handles.append(
-            pb.KvStorage(
-                cuda_ipc=pb.CudaIpcHandle(
-                    device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,
-                    ref_counter_offset=ref_offset, event_handle=event or b"", event_sync_required=bool(event_sync),
+    handles, fds = [], []
+    try:
+        for s in storages:
+            if s.device.type != "cuda":
+                raise ValueError("export_cuda_tensors takes CUDA tensors")
+            try:
+                device, handle, size, offset, ref_handle, ref_offset, event, event_sync = s._share_cuda_()
+            except RuntimeError as e:  # not torch's allocation (TensorRT-LLM's pool): the driver's
+                try:
+                    h, got = cuda_export.export_storage(s, may_hand_over)
+                except Unshareable as why:
+                    raise Unshareable(f"torch cannot share it ({str(e).splitlines()[0]}), nor the CUDA driver: {why}") from None
+                handles.append(pb.KvStorage(cuda_driver=h))
+                fds += got
+                continue
+            handles.append(
+                pb.KvStorage(
+                    cuda_ipc=pb.CudaIpcHandle(
+                        device=device, handle=handle, size=size, offset=offset, ref_counter_handle=ref_handle,
+                        ref_counter_offset=ref_offset, event_handle=event or b"", event_sync_required=bool(event_sync),
+                    )
                 )
             )
-        )
+    except BaseException:
+        close_fds(fds)
+        raise
     names = list(names) or [f"layer{i}" for i in range(len(tensors))]
-    return pb.RegisterKvCachesRequest(num_blocks=num_blocks, storages=handles, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)])
+    return pb.RegisterKvCachesRequest(num_blocks=num_blocks, storages=handles, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)]), fds
+
+
+def engine_copy_request(tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = ()) -> pb.RegisterKvCachesRequest:
+    """The registration of a rank that copies its blocks itself: its tensors as views, no memory."""
+    storages, which = _group(tensors)
+    names = list(names) or [f"layer{i}" for i in range(len(tensors))]
+    return pb.RegisterKvCachesRequest(num_blocks=num_blocks, tensors=[_tensor_pb(n, t, i) for n, t, i in zip(names, tensors, which)], engine_copies=True)
 
 
 def remove_stale_files(shm_dir: str = SHM_DIR) -> list[str]:

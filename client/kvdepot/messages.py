@@ -225,6 +225,7 @@ def layout_pb(layout: KvLayout) -> pb.KvLayout:
 def register_pb(
     model: str, layout: KvLayout, name: str, namespace: str, style: str, lease_ms: int, key: str = "", late_load_checks: bool = False,
     join: bool = False,
+    engine_copies: bool = False,
 ) -> pb.RegisterEngineRequest:
     if style not in STYLES:
         raise ValueError(f"update_style must be one of {sorted(STYLES)}, got {style!r}")
@@ -238,6 +239,7 @@ def register_pb(
         engine_key=key,
         late_load_checks=late_load_checks,
         join=join,
+        engine_copies=engine_copies,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import select
 import socket
@@ -17,10 +18,27 @@ import grpc
 from kvdepot import messages as m
 from kvdepot.common import ClientCore
 from kvdepot.errors import from_rpc_error
-from kvdepot.handoff import hand_over, handoff_path
+from kvdepot.handoff import fetch_arena, hand_over, handoff_path
 from kvdepot.v1 import kvdepot_pb2 as pb
 
 log = logging.getLogger("kvdepot")
+
+
+def _cuda(req: pb.RegisterKvCachesRequest) -> bool:
+    return any(s.WhichOneof("handle") == "cuda_driver" for s in req.storages)
+
+
+def _slots(req: pb.RegisterKvCachesRequest) -> list[Any]:
+    """Where the ids of the descriptors handed over go, in their order: each memfd storage, each
+    chunk of CUDA virtual memory."""
+    out: list[Any] = []
+    for s in req.storages:
+        which = s.WhichOneof("handle")
+        if which == "cpu_shm":
+            out.append(s.cpu_shm)
+        elif which == "cuda_driver":
+            out += list(s.cuda_driver.chunks)
+    return out
 
 
 class WorkerLink:
@@ -39,6 +57,10 @@ class WorkerLink:
     def __init__(self, client: ClientCore, rank: int) -> None:
         self.client = client
         self.rank = rank
+        # A rank that copies its blocks itself (engine_copies): its orders go here, and the engine's
+        # host memory (fetched after each registration of its caches) to on_arena(fd, size).
+        self.on_orders: Callable[[list[pb.CopyOrder]], None] | None = None
+        self.on_arena: Callable[[int, int], None] | None = None
         self._out: queue.SimpleQueue[pb.WorkerMessage | None] = queue.SimpleQueue()
         self._events: collections.deque[m.WorkerEvent] = collections.deque()
         self._cond = threading.Condition()
@@ -60,9 +82,9 @@ class WorkerLink:
         storage, handed over on the daemon's handoff socket each time (the client must reach the
         daemon at unix:PATH; the link keeps them open). False when the daemon refused them or is
         not reachable yet (the link keeps trying); an error instead when the client is strict."""
-        if fds and (handoff_path(self.client.address) is None or len(fds) != len(req.storages)):
-            raise ValueError("descriptors go to a daemon reached at unix:PATH, one per storage of the registration")
-        if fds and self._bell_in is None:
+        if fds and (handoff_path(self.client.address) is None or len(fds) != len(_slots(req))):
+            raise ValueError("descriptors go to a daemon reached at unix:PATH, one per memfd storage or CUDA chunk of the registration")
+        if fds and self._bell_in is None and not _cuda(req):  # the copy threads ring it for memory in host RAM
             self._bell_in, self._bell_out = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._bell_in.setblocking(False)
             self._bell_out.setblocking(False)
@@ -79,11 +101,20 @@ class WorkerLink:
         req.engine_id, req.rank = engine_id, self.rank
         timeout = max(self.client.admin_deadline_s, 5.0)
         try:
-            if self._bell_out is not None:  # handed over again each time: a restarted daemon holds none of them
-                ids = hand_over(handoff_path(self.client.address) or "", [*self._fds, self._bell_out.fileno()], self.client._token, timeout)
-                for storage, handoff_id in zip(req.storages, ids):
-                    storage.cpu_shm.handoff_id = handoff_id
-                req.doorbell_handoff_id = ids[-1]
+            if self._fds:  # handed over again each time: a restarted daemon holds none of them
+                bell = [self._bell_out.fileno()] if self._bell_out is not None else []
+                cuda = len(self._fds) if _cuda(req) else 0
+                ids = hand_over(handoff_path(self.client.address) or "", [*self._fds, *bell], self.client._token, timeout, cuda_fds=cuda)
+                for slot, handoff_id in zip(_slots(req), ids):
+                    slot.handoff_id = handoff_id
+                if bell:
+                    req.doorbell_handoff_id = ids[-1]
+            if req.engine_copies and self.on_arena is not None:  # each time (a restarted daemon has other memory), before any order
+                fd, size = fetch_arena(handoff_path(self.client.address) or "", engine_id, self.client._token, timeout)
+                try:
+                    self.on_arena(fd, size)
+                finally:
+                    os.close(fd)
             self.client._stub.RegisterKvCaches(req, timeout=timeout)
         except grpc.RpcError as e:
             if raise_errors and self.client.strict:
@@ -103,6 +134,10 @@ class WorkerLink:
         # twice is harmless: the daemon starts each store once.
         handle = bytes(cuda_event.ipc_handle()) if cuda_event is not None else b""
         self._out.put(pb.WorkerMessage(forward_done=pb.WorkerMessage.ForwardDone(step=step, cuda_event=handle)))
+
+    def copies_done(self, op_id: int, failed: Sequence[int], message: str = "") -> None:
+        """An order carried out (engine_copies): never blocks."""
+        self._out.put(pb.WorkerMessage(copies_done=pb.WorkerMessage.CopiesDone(op_id=op_id, failed=failed, message=message)))
 
     def poll(self) -> list[m.WorkerEvent]:
         out: list[m.WorkerEvent] = []
@@ -199,6 +234,8 @@ class WorkerLink:
                     if ev.HasField("attached"):
                         self.attached.set()
                         backoff = 0.05
+                    if ev.orders and self.on_orders is not None:
+                        self.on_orders(list(ev.orders))
                     batch = m.worker_events(ev)
                     if batch:
                         with self._cond:

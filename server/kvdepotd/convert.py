@@ -14,6 +14,8 @@ from kvdepotd.core.errors import InvalidRequest
 from kvdepotd.core.ops import Op, OpKind
 from kvdepotd.core.slots import Slot, StepColumns, UpdateStyle
 from kvdepotd.transfer.mapping import CudaStorage, RankSpec, ShmStorage, TensorSpec
+from kvdepotd.transfer.cuda_import import CudaDriverStorage
+from kvdepotd.transfer.engine_copy import CopyOrder
 
 STYLE = {
     pb.UPDATE_STYLE_UNSPECIFIED: UpdateStyle.VLLM,
@@ -109,6 +111,10 @@ def plan_to_pb(plan: StepPlan) -> pb.StepResponse:
     return resp
 
 
+def copy_order_pb(o: CopyOrder) -> pb.CopyOrder:
+    return pb.CopyOrder(op_id=o.op_id, store=o.store, step=o.step, indices=o.indices, block_ids=o.block_ids, host_offsets=o.host_offsets)
+
+
 def op_completed_pb(op: Op) -> pb.WorkerEvent.OpCompleted:
     return pb.WorkerEvent.OpCompleted(
         op_id=op.op_id,
@@ -178,7 +184,7 @@ def engine_info(eng: Engine, ranks: list[int]) -> pb.EngineInfo:
 
 def rank_spec(req: pb.RegisterKvCachesRequest) -> RankSpec:
     """A worker's registration as the mapping takes it (its handles checked there)."""
-    storages: list[ShmStorage | CudaStorage | None] = []
+    storages: list[ShmStorage | CudaStorage | CudaDriverStorage | None] = []
     for s in req.storages:
         which = s.WhichOneof("handle")
         if which == "cpu_shm":
@@ -187,6 +193,10 @@ def rank_spec(req: pb.RegisterKvCachesRequest) -> RankSpec:
         elif which == "cuda_ipc":
             c = s.cuda_ipc
             storages.append(CudaStorage(c.device, c.handle, c.size, c.offset, c.ref_counter_handle, c.ref_counter_offset, c.event_handle, c.event_sync_required))
+        elif which == "cuda_driver":
+            d = s.cuda_driver
+            chunks = tuple((k.offset, k.size, k.handoff_id) for k in d.chunks)
+            storages.append(CudaDriverStorage(d.device, d.size, d.offset, d.ipc_handle, chunks, d.mapped_size))
         else:
             storages.append(None)
     tensors = [TensorSpec(t.name, t.storage, t.storage_offset, tuple(t.shape), tuple(t.stride), t.dtype) for t in req.tensors]

@@ -3,7 +3,9 @@
 A worker that reaches the daemon at unix:PATH keeps its CPU KV tensors in memfds and sends the
 descriptors over unix:PATH.handoff (SCM_RIGHTS); RegisterKvCaches then names them by the ids the
 daemon answered. It may hand over its doorbell too, a unix datagram socket on which the copy
-threads announce each load the moment its bytes are in (kvdepotd.transfer.host). The daemon maps
+threads announce each load the moment its bytes are in (kvdepotd.transfer.host). The other way, a
+worker of an engine whose workers copy their blocks themselves fetches the engine's private host
+memory here (fetch_arena: one descriptor in the answer, for a token of the engine's namespace). The daemon maps
 memory it was given, not a file it opened by name, so:
 - engine and daemon may run as different users, in containers that share no /dev/shm;
 - a worker can only hand over memory it holds itself (a path names any file of the daemon's user);
@@ -53,6 +55,7 @@ from kvdepot.lane import unix_path
 from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd.auth import OPEN, Caller, PermissionDenied, Tokens
 from kvdepotd.core.errors import DepotError, InvalidRequest
+from kvdepotd.core.ops import EngineId
 from kvdepotd.errors import status_of
 from kvdepotd.wire import FRAME, error_frame, ok_frame
 
@@ -72,6 +75,7 @@ class _Held:
     fd: int
     caller: Caller
     expires: float
+    cuda: bool = False  # a CUDA allocation (checked by the driver when imported), never mapped as memory
 
 
 def sealed(fd: int) -> bool:
@@ -124,9 +128,15 @@ class Refused(Exception):
         self.code = code
 
 
+ArenaFd = Callable[[EngineId, Callable[[str], bool]], tuple[int, int]]
+
+
 class Handoffs:
-    def __init__(self, tokens: Callable[[], Tokens | None], ttl_s: float = TTL_S, max_pending: int = MAX_PENDING) -> None:
+    def __init__(self, tokens: Callable[[], Tokens | None], arena: ArenaFd | None = None, ttl_s: float = TTL_S, max_pending: int = MAX_PENDING) -> None:
+        """`arena(engine_id, may_use)`: the descriptor and size of an engine_copies engine's host
+        memory (Runtime.arena_fd), for HandoffRequest.fetch_arena."""
         self._tokens = tokens
+        self._arena = arena
         self._ttl_s = ttl_s
         self._max_pending = max_pending
         self._held: dict[str, _Held] = {}
@@ -161,8 +171,9 @@ class Handoffs:
             self._wake_w.send(b"x")  # the loop picks up the new listener
         return f"unix:{path}"
 
-    def claim(self, handoff_id: str, namespace: str) -> int:
-        """The descriptor handed over as `handoff_id`, for an engine of `namespace`; the caller closes it."""
+    def claim(self, handoff_id: str, namespace: str, cuda: bool = False) -> int:
+        """The descriptor handed over as `handoff_id`, for an engine of `namespace`; the caller closes
+        it. `cuda`: it must have come as a CUDA allocation (else as memory or a doorbell)."""
         with self._lock:
             self._expire(time.monotonic())
             held = self._held.get(handoff_id)
@@ -170,6 +181,8 @@ class Handoffs:
                 raise InvalidRequest(f"handoff id {handoff_id[:64]!r} names no descriptor (unknown, already claimed, or older than {self._ttl_s:.0f} s)")
             if not held.caller.may_use(namespace):
                 raise PermissionDenied(f"handoff id {handoff_id[:64]!r} was handed over with {held.caller.describe()}, not for namespace {namespace!r}")
+            if held.cuda != cuda:
+                raise InvalidRequest(f"handoff id {handoff_id[:64]!r} was handed over as {'a CUDA allocation' if held.cuda else 'memory'}, not as {'a CUDA allocation' if cuda else 'memory'}")
             del self._held[handoff_id]
         return held.fd
 
@@ -297,35 +310,66 @@ class Handoffs:
             self._end(c)  # the stream may be out of step: end it
             return
         body, fds, c.buf, c.fds = bytes(c.buf[FRAME.size :]), c.fds, bytearray(), []
+        give: list[int] = []
         try:
-            answer = ok_frame(pb.HandoffResponse(ids=self._hold(body, fds)).SerializeToString())
+            req = self._parse(body, fds)
+            if req.HasField("fetch_arena"):
+                for fd in fds:
+                    os.close(fd)
+                if fds:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: fetch_arena takes no descriptors")
+                fd, size = self._fetch(req)
+                answer, give = ok_frame(pb.HandoffResponse(arena_bytes=size).SerializeToString()), [fd]
+            else:
+                answer = ok_frame(pb.HandoffResponse(ids=self._hold(req, fds)).SerializeToString())
         except Refused as e:
             answer = error_frame(e.code, str(e))
         c.deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        if not self._answer(c, answer):
+        if not self._answer(c, answer, give):
             self._end(c)
 
     @staticmethod
-    def _answer(c: _Conn, frame: bytes) -> bool:
-        """Sends a (small) answer without waiting: False when the socket would not take it whole."""
+    def _answer(c: _Conn, frame: bytes, fds: list[int] = ()) -> bool:  # type: ignore[assignment]
+        """Sends a (small) answer, with `fds`, without waiting: False when the socket would not take it whole."""
         try:
-            return c.sock.send(frame) == len(frame)
+            return (socket.send_fds(c.sock, [frame], fds) if fds else c.sock.send(frame)) == len(frame)
         except OSError:
             return False
 
-    def _hold(self, body: bytes, fds: list[int]) -> list[str]:
+    @staticmethod
+    def _parse(body: bytes, fds: list[int]) -> pb.HandoffRequest:
+        try:
+            return pb.HandoffRequest.FromString(body)
+        except DecodeError:
+            for fd in fds:
+                os.close(fd)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: the request is not a HandoffRequest") from None
+
+    def _fetch(self, req: pb.HandoffRequest) -> tuple[int, int]:
+        """An engine_copies engine's host memory, for a worker of its namespace (the descriptor stays
+        the arena's: sent, not closed)."""
+        caller = self._caller(req.token)
+        if self._arena is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "handoff: this daemon hands out no host memory")
+        try:
+            return self._arena(EngineId(req.fetch_arena.engine_id), caller.may_use)
+        except DepotError as e:
+            raise Refused(status_of(e), f"handoff: {e}") from None
+
+    def _hold(self, req: pb.HandoffRequest, fds: list[int]) -> list[str]:
         """Checks a request and keeps its descriptors (closing them all when anything is wrong)."""
         try:
-            try:
-                req = pb.HandoffRequest.FromString(body)
-            except DecodeError:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: the request is not a HandoffRequest") from None
             caller = self._caller(req.token)
             if req.fds != len(fds):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff: the request says {req.fds} descriptors and {len(fds)} came with it")
             if not fds:
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "handoff: no descriptors came with the request")
+            if req.cuda_fds > len(fds):
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"handoff: cuda_fds {req.cuda_fds} is more than the {len(fds)} descriptors")
+            first_cuda = len(fds) - req.cuda_fds
             for i, fd in enumerate(fds):
+                if i >= first_cuda:
+                    continue  # CUDA allocations: the driver checks them when the registration imports them
                 if not (sealed(fd) or doorbell(fd)):
                     raise Refused(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -339,8 +383,8 @@ class Handoffs:
                 if len(self._held) + len(fds) > self._max_pending:
                     raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"handoff: {len(self._held)} descriptors wait to be claimed already (at most {self._max_pending})")
                 ids = [secrets.token_hex(16) for _ in fds]
-                for handoff_id, fd in zip(ids, fds):
-                    self._held[handoff_id] = _Held(fd, caller, now + self._ttl_s)
+                for i, (handoff_id, fd) in enumerate(zip(ids, fds)):
+                    self._held[handoff_id] = _Held(fd, caller, now + self._ttl_s, cuda=i >= first_cuda)
             return ids
         except BaseException:
             for fd in fds:

@@ -29,16 +29,18 @@ from kvdepot.v1 import kvdepot_pb2 as pb
 from kvdepotd import convert
 from kvdepotd.core.depot import Depot
 from kvdepotd.core.records import Engine, LoadCopied, LookupResult, OpCompleted, StepPlan
+from kvdepotd.core.errors import FailedPrecondition, NotFound
 from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.core.slots import StepColumns
 from kvdepotd.metrics import Metrics
 from kvdepotd.storage.disk_dir import DiskStore
-from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.storage.host_arena import Arenas, HostArena
 from kvdepotd.storage.remote import RemoteStore
 from kvdepotd.transfer.base import PartDone
 from kvdepotd.transfer.host import Faults, HostCopyEngine
 from kvdepotd.transfer.disk import DiskCopyEngine
 from kvdepotd.transfer.remote import RemoteCopyEngine
+from kvdepotd.transfer.engine_copy import CopyOrder, EngineCopyRank
 from kvdepotd.transfer.mapping import RankMapping, populate
 
 log = logging.getLogger("kvdepotd")
@@ -86,7 +88,11 @@ class Runtime:
     def __init__(self, depot: Depot, metrics: Metrics, arena: HostArena, copy_threads: int = 2, faults: Faults | None = None, store_nice: int = 10) -> None:
         self.depot = depot
         self.metrics = metrics
-        self.copy = HostCopyEngine(self._parts_done, arena, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice, clock_ms=now_ms)
+        self.arenas = Arenas(arena)
+        self.copy = HostCopyEngine(
+            self._parts_done, self.arenas, threads=copy_threads, faults=faults, on_copied=self._part_copied, store_nice=store_nice,
+            clock_ms=now_ms, on_order=self._order,
+        )
         self.disk: DiskCopyEngine | None = None
         self.remote: RemoteCopyEngine | None = None
         self._remote_lookups: ThreadPoolExecutor | None = None
@@ -96,7 +102,6 @@ class Runtime:
         self.backlog: dict[Rank, deque[pb.WorkerEvent]] = {}
         self.failures: deque[Failure] = deque(maxlen=RECENT_FAILURES)
         self.started = time.time()
-        self._arena = arena
         self._pumping = False
         self._flush = False
         self._ticker: asyncio.Task[None] | None = None
@@ -110,13 +115,13 @@ class Runtime:
         self._stop_populating = threading.Event()
 
     def attach_disk(self, store: DiskStore, threads: int) -> None:
-        self.disk = DiskCopyEngine(self._disk_done, self._arena, store, threads, self.metrics.observe_disk)
+        self.disk = DiskCopyEngine(self._disk_done, self.arenas, store, threads, self.metrics.observe_disk)
 
     async def attach_remote(self, store: RemoteStore, threads: int, lookup_ms: int) -> None:
         """The remote tier. The store is asked once here (briefly: a store that is down at start
         is no reason not to serve) and then every REMOTE_CHECK_S by the health check, which
         connects when it can and tells the core whether the store answers."""
-        self.remote = RemoteCopyEngine(self._remote_done, self._arena, store, threads, self.metrics.observe_remote, self.metrics.note_remote)
+        self.remote = RemoteCopyEngine(self._remote_done, self.arenas, store, threads, self.metrics.observe_remote, self.metrics.note_remote)
         self._remote_lookups = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-remote-lookup")
         self._remote_lookup_ms = lookup_ms
         await self._check_remote(first=True)
@@ -260,7 +265,7 @@ class Runtime:
         self.depot.renew_lease(engine_id, now_ms())
         self.pump()
 
-    def add_mapping(self, mapping: RankMapping) -> None:
+    def add_mapping(self, mapping: RankMapping | EngineCopyRank) -> None:
         """A rank's mapped KV memory: copies may use it now; its pages are faulted in meanwhile
         (not awaited: a copy that comes first faults its own pages in)."""
         engine_id = EngineId(mapping.engine_id)
@@ -270,6 +275,8 @@ class Runtime:
         eng = self.depot.engine(engine_id)
         if eng.mapped_in_full and self._unmapped_noted.pop(engine_id, None) is not None:
             log.info("engine %s: every rank's KV memory is mapped now: lookups may hit and blocks are stored", engine_id)
+        if isinstance(mapping, EngineCopyRank):
+            return
         task = asyncio.get_running_loop().create_task(self._populate(mapping))
         self._populating.add(task)
         task.add_done_callback(self._populating.discard)
@@ -307,9 +314,37 @@ class Runtime:
         if self.channels.get(key) is not ch:
             return False
         del self.channels[key]
+        self.copy.worker_gone(key[0], key[1])
         if key[0] in self.depot.engines and not any(k[0] == key[0] for k in self.channels):
             self.depot.shorten_lease(key[0], now_ms() + DETACHED_LEASE_MS)
         return True
+
+    def _order(self, order: CopyOrder) -> bool:
+        """An engine-copy part's order, to its rank's stream alone (never kept for a later stream:
+        an order must not be carried out after the daemon gave its op up); False when it has none."""
+        ch = self.channels.get((EngineId(order.engine_id), order.rank))
+        if ch is None:
+            return False
+        ch.queue.put_nowait(pb.WorkerEvent(orders=[convert.copy_order_pb(order)]))
+        return True
+
+    def engine_copied(self, engine_id: EngineId, rank: int, op_id: OpId, failed: list[int], message: str) -> None:
+        """A worker carried out one of its orders (WorkerMessage.copies_done)."""
+        self.depot.engine_rank(engine_id, rank)
+        self.copy.engine_copied(op_id, rank, failed, message)
+        self.depot.renew_lease(engine_id, now_ms())
+        self.pump()
+
+    def arena_fd(self, engine_id: EngineId, namespace_ok: Any) -> tuple[int, int]:
+        """The descriptor (still the arena's: the caller dups it) and size of the host memory an
+        engine_copies engine's workers map. `namespace_ok(namespace)`: whether the asker may."""
+        eng = self.depot.engines.get(engine_id)
+        if eng is None or not namespace_ok(eng.namespace):
+            raise NotFound(f"engine {engine_id!r} is not registered")
+        if not eng.engine_copies:
+            raise FailedPrecondition(f"engine {engine_id} did not register with engine_copies: the daemon copies its blocks")
+        arena = self.arenas.of(eng.domain.layout_class)
+        return arena.fd, arena.total_bytes
 
     def attached_ranks(self, engine_id: EngineId) -> list[int]:
         return sorted(r for (eid, r) in self.channels if eid == engine_id)

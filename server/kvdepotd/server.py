@@ -199,9 +199,9 @@ class Daemon:
         self.health = HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.lanes = Lanes(self.service.answer, cfg.max_message_mib << 20, lambda: self.service.auth is not None)
-        self.handoffs = Handoffs(lambda: self.service.auth)
+        self.handoffs = Handoffs(lambda: self.service.auth, self.runtime.arena_fd)
         self.metrics.handoff_pending.set_function(self.handoffs.pending)
-        self.metrics.host_backed.set_function(lambda: self.arena.ready_bytes)
+        self.metrics.host_backed.set_function(lambda: self.runtime.arenas.ready_bytes)
         self.service.shm_paths = cfg.shm_paths
         self.service.max_rank_bytes = cfg.max_rank_bytes
         self.metrics.lane_connections.set_function(self.lanes.open_connections)
@@ -435,7 +435,7 @@ class Daemon:
             await self.server.stop(self.cfg.drain_grace_s)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
-        self.arena.close()
+        self.runtime.arenas.close()
         for addr in self.addresses + self.lanes.addresses + self.handoffs.addresses:
             if addr.startswith("unix:"):
                 with contextlib.suppress(OSError):

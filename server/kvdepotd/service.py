@@ -24,10 +24,11 @@ from kvdepotd import convert
 from kvdepotd.auth import OPEN, Caller, ForeignEngine, PermissionDenied, Tokens, Unauthenticated, bearer
 from kvdepotd.core.records import Engine
 from kvdepotd.core.errors import DepotError, InvalidRequest
-from kvdepotd.core.ops import EngineId, RequestId
+from kvdepotd.core.ops import EngineId, OpId, RequestId
 from kvdepotd.errors import status_of
 from kvdepotd.handoff import Handoffs, doorbell
 from kvdepotd.runtime import Runtime, WorkerChannel, now_ms
+from kvdepotd.transfer.engine_copy import EngineCopyRank
 from kvdepotd.transfer.mapping import map_rank
 from kvdepotd.wire import BadMessage
 
@@ -174,14 +175,16 @@ class DepotService(pb_grpc.BlockManagerServicer):
             key=request.engine_key,
             late_load_checks=request.late_load_checks,
             join=request.join,
+            engine_copies=request.engine_copies,
         )
         engine_id = eng.engine_id
         if joined:
             log.info("engine %s joined by another process (name=%r, key %s)", engine_id, request.engine_name, key_fingerprint(request.engine_key))
         else:
             log.info(
-                "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s late_load_checks=%s",
+                "engine %s registered: name=%r model=%r layout=%s namespace=%r style=%s late_load_checks=%s%s",
                 engine_id, eng.name, eng.model, eng.layout.layout_class, eng.namespace, eng.style.value, eng.late_load_checks,
+                " (its workers copy its blocks: engine-side copy)" if eng.engine_copies else "",
             )
         return pb.RegisterEngineResponse(
             engine_id=engine_id,
@@ -211,6 +214,17 @@ class DepotService(pb_grpc.BlockManagerServicer):
     async def RegisterKvCaches(self, request: pb.RegisterKvCachesRequest, context: grpc.aio.ServicerContext) -> pb.RegisterKvCachesResponse:
         engine_id = self.own_engine(context, EngineId(request.engine_id)).engine_id
         eng = self.depot.engine_rank(engine_id, request.rank)
+        if request.engine_copies != eng.engine_copies:
+            raise InvalidRequest(
+                f"engine {engine_id} registered with engine_copies={eng.engine_copies}: its ranks "
+                + ("copy their blocks themselves (engine_copies, no storages)" if eng.engine_copies else "share their KV memory (storages)")
+            )
+        if request.engine_copies:
+            if request.num_blocks == 0 or request.storages:
+                raise InvalidRequest("a rank that copies its blocks itself registers num_blocks and no storages")
+            self.runtime.add_mapping(EngineCopyRank(engine_id, request.rank, request.num_blocks))
+            log.info("engine %s rank %d copies its blocks itself (engine-side copy, %d blocks)", engine_id, request.rank, request.num_blocks)
+            return pb.RegisterKvCachesResponse()
         bell = self._doorbell(request, eng.namespace)
         try:
             fds = self._claim(request, eng.namespace)
@@ -239,13 +253,15 @@ class DepotService(pb_grpc.BlockManagerServicer):
         shm = [s.cpu_shm for s in request.storages if s.WhichOneof("handle") == "cpu_shm"]
         if not self.shm_paths and any(not h.handoff_id for h in shm):
             raise InvalidRequest("this daemon takes CPU KV memory only as descriptors handed over on its handoff socket, not by path (shm_paths = false)")
+        ids = [(h.handoff_id, False) for h in shm]
+        ids += [(k.handoff_id, True) for s in request.storages if s.WhichOneof("handle") == "cuda_driver" for k in s.cuda_driver.chunks]
         fds: dict[str, int] = {}
         try:
-            for h in shm:
-                if h.handoff_id and h.handoff_id not in fds:
+            for handoff_id, cuda in ids:
+                if handoff_id and handoff_id not in fds:
                     if self.handoffs is None:
                         raise InvalidRequest("this daemon has no handoff socket (it listens on no unix: address): name the memory by path")
-                    fds[h.handoff_id] = self.handoffs.claim(h.handoff_id, namespace)
+                    fds[handoff_id] = self.handoffs.claim(handoff_id, namespace, cuda)
         except DepotError:
             for fd in fds.values():
                 os.close(fd)
@@ -403,6 +419,9 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 which = msg.WhichOneof("msg")
                 if which == "forward_done":
                     self.runtime.forward_done(engine_id, rank, msg.forward_done.step, msg.forward_done.cuda_event)
+                elif which == "copies_done":
+                    d = msg.copies_done
+                    self.runtime.engine_copied(engine_id, rank, OpId(d.op_id), list(d.failed), d.message[:512])
                 else:
                     ch.close(f"unexpected {which or 'empty'} message after attach", grpc.StatusCode.INVALID_ARGUMENT)
                     return

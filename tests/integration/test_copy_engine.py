@@ -16,7 +16,7 @@ from kvdepotd.convert import rank_spec
 from kvdepotd.core.depot import Depot, DepotConfig, OpCompleted
 from kvdepotd.core.ops import EngineId, OpId, OpKind, RequestId
 from kvdepotd.core.slots import SlotUpdate, StepColumns, UpdateStyle
-from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.storage.host_arena import Arenas, HostArena
 from kvdepotd.transfer import host
 from kvdepotd.transfer.base import PartDone
 from kvdepotd.transfer.host import HostCopyEngine
@@ -44,7 +44,7 @@ def test_checksum_mismatch_fails_the_load_and_drops_the_block() -> None:
     async def main() -> None:
         arena = HostArena(1 << 20)
         depot = Depot(DepotConfig(host_bytes=1 << 20, slab_bytes=1 << 20))
-        copy = HostCopyEngine(lambda done: [depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt) for d in done], arena, clock_ms=lambda: 0)
+        copy = HostCopyEngine(lambda done: [depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt) for d in done], Arenas(arena), clock_ms=lambda: 0)
         depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0)
         copy.add_engine(E, LAYOUT)
         kv = FakeKv(LAYOUT, num_blocks=8)
@@ -106,7 +106,7 @@ async def load_and_store_order(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Op
                 load_done.set()
             depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
 
-    copy = HostCopyEngine(done, arena, threads=1, clock_ms=lambda: 0)
+    copy = HostCopyEngine(done, Arenas(arena), threads=1, clock_ms=lambda: 0)
     depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0)
     copy.add_engine(E, LAYOUT)
     kv = FakeKv(LAYOUT, num_blocks=32)
@@ -170,7 +170,7 @@ def test_a_late_checked_load_copies_first_and_then_fails_the_corrupt_block() -> 
             for d in parts:
                 depot.complete_part(d.op_id, d.rank, d.failed, d.message, d.corrupt)
 
-        copy = HostCopyEngine(done, arena, on_copied=copied, clock_ms=lambda: 0)
+        copy = HostCopyEngine(done, Arenas(arena), on_copied=copied, clock_ms=lambda: 0)
         depot.register_engine(E, name="", model="m", layout=LAYOUT, namespace="", style=UpdateStyle.VLLM, lease_ms=0, now_ms=0, late_load_checks=True)
         copy.add_engine(E, LAYOUT)
         kv = FakeKv(LAYOUT, num_blocks=8)

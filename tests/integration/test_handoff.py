@@ -72,8 +72,8 @@ def raw_request(d: DaemonProcess, body: bytes, fds: list[int]) -> bytes:
         return s.recv(n, socket.MSG_WAITALL)
 
 
-def refused(d: DaemonProcess, fds: list[int], count: int | None = None, token: str = "") -> LocalRpcError:
-    body = pb.HandoffRequest(token=token, fds=len(fds) if count is None else count).SerializeToString()
+def refused(d: DaemonProcess, fds: list[int], count: int | None = None, token: str = "", cuda_fds: int = 0) -> LocalRpcError:
+    body = pb.HandoffRequest(token=token, fds=len(fds) if count is None else count, cuda_fds=cuda_fds).SerializeToString()
     with pytest.raises(LocalRpcError) as info:
         answer(raw_request(d, body, fds), pb.HandoffResponse)
     return info.value
@@ -386,3 +386,55 @@ def test_handoffs_nobody_claims_are_closed(tmp_path: Path) -> None:
     finally:
         h.close()
         close_fds(fds)
+
+
+def test_a_descriptor_marked_cuda_is_never_mapped_as_memory(depot: DaemonProcess) -> None:
+    """CUDA allocations come unsealed (the driver checks them at import): one handed over as such
+    cannot be claimed as memory, where an unsealed file could be shrunk under the daemon's copies."""
+    unsealed = memfd(seal=False)
+    try:
+        [handoff_id] = hand_over(sock_path(depot), [unsealed], cuda_fds=1)
+        assert "more than the 1 descriptors" in refused(depot, [unsealed], cuda_fds=2).details()
+    finally:
+        os.close(unsealed)
+    with DepotClient(depot.tcp, strict=True, deadline_s=5.0) as c:
+        c.register_engine("cuda-as-memory", layout("contiguous"))
+        kv = torch.zeros(4, 3, 2, 16, 2, 8, dtype=torch.float16)
+        req = pb.RegisterKvCachesRequest(engine_id=c.engine_id, num_blocks=4, tensors=handles_of(kv))
+        req.storages.add().cpu_shm.CopyFrom(pb.CpuShmHandle(handoff_id=handoff_id, size=kv.untyped_storage().nbytes()))
+        with pytest.raises(grpc.RpcError) as rpc:
+            c._stub.RegisterKvCaches(req, timeout=5)
+        assert rpc.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "handed over as a CUDA allocation, not as memory" in rpc.value.details()
+
+
+def handles_of(kv: torch.Tensor) -> list[pb.KvTensor]:
+    return [pb.KvTensor(name="kv", storage=0, shape=list(kv.shape), stride=list(kv.stride()), dtype="float16")]
+
+
+def test_only_an_engine_copies_engines_namespace_fetches_its_host_memory(tmp_path: Path) -> None:
+    """The host memory of an engine whose workers copy their blocks (its namespace's blocks only)
+    goes to a token of that namespace, for an engine that registered so: never to another's."""
+    from kvdepot.handoff import fetch_arena
+
+    auth = tmp_path / "tokens.toml"
+    auth.write_text('admin = "admin-token-0123456789"\n[namespaces]\nteam-a = "team-a-token-0123456789"\nteam-b = "team-b-token-0123456789"\n')
+    with DaemonProcess(args=["--host-gib", "0.0625", "--slab-mib", "1", "--auth-file", str(auth)]) as d:
+        path = sock_path(d)
+        with DepotClient(d.unix, strict=True, token="team-a-token-0123456789") as a, DepotClient(d.unix, strict=True, token="team-a-token-0123456789") as plain:
+            a.register_engine("ec-model", layout(), engine_copies=True)
+            plain.register_engine("plain-model", layout())
+            fd, size = fetch_arena(path, a.engine_id, "team-a-token-0123456789")
+            try:
+                assert size == 1 << 26 and os.fstat(fd).st_size == size
+                assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK  # no holder can pull pages from under the daemon
+            finally:
+                os.close(fd)
+            with pytest.raises(LocalRpcError) as info:
+                fetch_arena(path, a.engine_id, "team-b-token-0123456789")
+            assert info.value.code() is grpc.StatusCode.NOT_FOUND
+            with pytest.raises(LocalRpcError) as info:
+                fetch_arena(path, plain.engine_id, "team-a-token-0123456789")
+            assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "did not register with engine_copies" in info.value.details()
+            with pytest.raises(LocalRpcError) as info:
+                fetch_arena(path, a.engine_id, "")
+            assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED

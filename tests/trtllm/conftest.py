@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvdepot import DepotClient
+from kvdepot.errors import DepotError
 from kvdepot.layout import KvLayout
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.trtllm import KvCacheConfig, TorchLlmArgs
@@ -41,7 +42,13 @@ def make(daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> Iterator[Mak
     """Builds stand-in executors against `daemon` (or the address given), each its own model."""
     made: list[StandInExecutor] = []
 
-    def build(*, world_size: int = 1, kv_factor: int = 2, address: str = "", model: str = "", num_blocks: int = 64, **kw: object) -> StandInExecutor:
+    def build(
+        *, world_size: int = 1, kv_factor: int = 2, address: str = "", model: str = "", num_blocks: int = 64, copy_mode: str = "auto", **kw: object
+    ) -> StandInExecutor:
+        """copy_mode "engine": the workers copy their blocks themselves (at the daemon's unix: address)."""
+        monkeypatch.setenv("KVDEPOT_COPY_MODE", copy_mode)
+        if copy_mode == "engine" and not address:
+            address = daemon.unix
         monkeypatch.setenv("KVDEPOT_ADDRESS", address or daemon.tcp)
         args = TorchLlmArgs(model=model or f"trt-model-{next(_models)}", kv_cache_config=KvCacheConfig(tokens_per_block=BS), tensor_parallel_size=world_size)
         with DepotClient(address or daemon.tcp, deadline_s=5.0) as c:
@@ -70,14 +77,20 @@ def counters(ex: StandInExecutor) -> dict[str, int]:
 def mapped_ranks(ex: StandInExecutor) -> list[int]:
     """The ranks of `ex`'s engine whose KV memory the daemon has mapped."""
     c = ex.scheduler.side.client
-    assert c is not None and c.engine_id, "the connector never connected"
-    (info,) = [e for e in c.engines() if e.engine_id == c.engine_id]
-    return sorted(info.mapped_ranks)
+    assert c is not None, "the connector never connected"
+    infos = [e for e in c.engines() if e.engine_id == c.engine_id]
+    return sorted(infos[0].mapped_ranks) if infos else []  # [] : not registered (again) yet
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Waits for `cond`; one that raises a DepotError (a daemon starting again) is not there yet."""
     end = time.monotonic() + timeout_s
-    while not cond():
+    while True:
+        try:
+            if cond():
+                return
+        except DepotError:
+            pass
         assert time.monotonic() < end, "timed out"
         time.sleep(0.02)
 

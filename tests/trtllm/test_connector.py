@@ -16,6 +16,11 @@ from kvdepot.testing.trtllm import LlmRequestState
 from kvdepot.testing.trtllm_executor import StandInExecutor
 from tests.trtllm.conftest import BS, Make, counters, generated, mapped_ranks, prompt, wait_until
 
+# Who copies blocks between the engine's KV memory and the host tier: the daemon (it maps the
+# engine's memory), or the engine's workers themselves (kvdepot.engine_copy: a GPU pool no API can
+# export), on CPU tensors here, byte for byte the same checks.
+COPY = pytest.mark.parametrize("copy_mode", ["auto", "engine"])
+
 
 def served_twice(ex: StandInExecutor, p: list[int], max_new: int = 4) -> tuple[int, int]:
     """Runs `p`, drops the engine's own prefix cache, runs it again; both outputs must agree and
@@ -50,19 +55,21 @@ def test_new_request_after_a_gpu_hit_stores_only_the_blocks_after_it(make: Make)
     assert ex.bad_kv == {first.request_id: [], second.request_id: []}
 
 
-def test_daemon_hit_loaded_synchronously_is_byte_identical(make: Make) -> None:
-    ex = make()
+@COPY
+def test_daemon_hit_loaded_synchronously_is_byte_identical(make: Make, copy_mode: str) -> None:
+    ex = make(copy_mode=copy_mode)
     a, b = served_twice(ex, prompt(100))
     assert ex.matched[b] == (0, 96, False)
     c = counters(ex)
     assert c["loaded_blocks"] == 6 and c["stored_blocks"] == 6 and c["store_blocks_planned"] == 6  # nothing stored twice
 
 
-def test_daemon_hit_loaded_asynchronously_is_byte_identical(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
+@COPY
+def test_daemon_hit_loaded_asynchronously_is_byte_identical(make: Make, monkeypatch: pytest.MonkeyPatch, copy_mode: str) -> None:
     """The request is left out of the scheduler output while it loads and comes back as new with
     its whole prompt: the slot continues (the daemon refuses a new row whose tokens do not match)."""
     monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", "true")
-    ex = make()
+    ex = make(copy_mode=copy_mode)
     p = prompt(100)
     a = ex.add(p)
     ex.run()
@@ -77,9 +84,10 @@ def test_daemon_hit_loaded_asynchronously_is_byte_identical(make: Make, monkeypa
     assert c["loaded_blocks"] == 6 and c["store_blocks_planned"] == 6
 
 
-def test_chunked_prefill(make: Make) -> None:
+@COPY
+def test_chunked_prefill(make: Make, copy_mode: str) -> None:
     """Chunks of 32 tokens: stores follow the chunks, a later hit loads them, the tail is computed."""
-    ex = make(chunk_size=32)
+    ex = make(chunk_size=32, copy_mode=copy_mode)
     a, b = served_twice(ex, prompt(150))
     assert ex.matched[b] == (0, 144, False)
     assert counters(ex)["store_blocks_planned"] == 9
@@ -101,10 +109,11 @@ def test_generation_phase_stores(make: Make) -> None:
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_two_ranks(make: Make, monkeypatch: pytest.MonkeyPatch, load_async: bool) -> None:
+@COPY
+def test_two_ranks(make: Make, monkeypatch: pytest.MonkeyPatch, load_async: bool, copy_mode: str) -> None:
     """Tensor parallel 2: each rank its own pool and worker, one scheduler; every rank's KV right."""
     monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", str(load_async).lower())
-    ex = make(world_size=2)
+    ex = make(world_size=2, copy_mode=copy_mode)
     a, b = served_twice(ex, prompt(100))
     assert ex.matched[b] == (0, 96, load_async)
     c = counters(ex)
@@ -146,11 +155,12 @@ def test_an_async_load_completes_only_once_every_rank_returned_it(make: Make, mo
     assert ex.bad_kv[b.request_id] == []
 
 
-def test_preemption_and_readmission(make: Make) -> None:
+@COPY
+def test_preemption_and_readmission(make: Make, copy_mode: str) -> None:
     """TensorRT-LLM replays a request whose allocation died: asked again, it loads what the daemon
     holds into its new blocks and finishes with the same output. Its first incarnation loaded from
     the daemon too; those ops had settled, so nothing waits on them."""
-    ex = make()
+    ex = make(copy_mode=copy_mode)
     p = prompt(100)
     ref = ex.add(p, 8)
     ex.run()
@@ -202,13 +212,14 @@ def test_without_mpi_a_rank_joins_on_the_first_steps_metadata(make: Make, monkey
     served_twice(ex, prompt(100))  # both ranks mapped now: stored, then loaded, every rank's KV right
 
 
-def test_corrupted_block_is_recomputed(monkeypatch: pytest.MonkeyPatch, make: Make) -> None:
+@COPY
+def test_corrupted_block_is_recomputed(monkeypatch: pytest.MonkeyPatch, make: Make, copy_mode: str) -> None:
     """A block whose checksum fails on the way in: TensorRT-LLM computes from it instead (one rank:
     the request's context_current_position goes back), never runs on wrong KV, and the daemon stores
     what it computed."""
     d = DaemonProcess(args=["--host-gib", "0.25", "--fault-corrupt-loads", "2"]).start()
     try:
-        ex = make(address=d.tcp)
+        ex = make(address=d.unix if copy_mode == "engine" else d.tcp, copy_mode=copy_mode)
         a = ex.add(prompt(100))
         ex.run()
         ex.reset_prefix_cache()
@@ -225,13 +236,14 @@ def test_corrupted_block_is_recomputed(monkeypatch: pytest.MonkeyPatch, make: Ma
 
 
 @pytest.mark.parametrize("load_async", [False, True])
-def test_daemon_killed_during_a_load(monkeypatch: pytest.MonkeyPatch, make: Make, load_async: bool) -> None:
+@COPY
+def test_daemon_killed_during_a_load(monkeypatch: pytest.MonkeyPatch, make: Make, load_async: bool, copy_mode: str) -> None:
     """The daemon dies while it copies a load: the engine stops waiting within a second of it (not
     at the op deadline) and computes what did not arrive (one rank: the request is rewound)."""
     monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", str(load_async).lower())
     d = DaemonProcess(args=["--host-gib", "0.25", "--fault-load-delay-ms", "3000", "--op-timeout-ms", "20000"]).start()
     try:
-        ex = make(address=d.tcp)
+        ex = make(address=d.unix if copy_mode == "engine" else d.tcp, copy_mode=copy_mode)
         a = ex.add(prompt(100))
         ex.run()
         ex.reset_prefix_cache()
@@ -257,6 +269,38 @@ def test_daemon_killed_during_a_load(monkeypatch: pytest.MonkeyPatch, make: Make
         d.stop(signal.SIGKILL)
 
 
+def test_engine_side_copy_through_the_disk_tier_and_a_daemon_restart(make: Make, tmp_path: pytest.TempPathFactory) -> None:
+    """An engine whose workers copy its blocks keeps them in its namespace's own host memory: they
+    go to disk and come back from it like any block, also after a daemon restart (its workers
+    fetch the new daemon's memory when they register again), byte for byte."""
+    args = ["--host-gib", "0.25", "--disk-dir", str(tmp_path), "--disk-gib", "0.05", "--disk-slab-mib", "1", "--disk-admit-after", "1", "--disk-policy", "write-through"]
+    d = DaemonProcess(args=args).start()
+    try:
+        ex = make(address=d.unix, copy_mode="engine", model="ec-disk")
+        p = prompt(100)
+        a = ex.add(p)
+        ex.run()
+        c = ex.scheduler.side.client
+        assert c is not None
+        wait_until(lambda: c.stats().counters["disk_written_blocks"] >= 6)
+        c.clear("host")
+        ex.reset_prefix_cache()
+        b = ex.add(p)
+        ex.run()
+        assert ex.matched[b.request_id] == (0, 96, False) and ex.bad_kv[b.request_id] == []
+        assert c.stats().counters["disk_read_blocks"] >= 6
+        assert d.stop() == 0
+        d = DaemonProcess(args=args, unix=d.unix, tcp=d.tcp).start()  # its disk tier recovers the blocks
+        wait_until(lambda: mapped_ranks(ex) == [0], timeout_s=20)  # registered again, the new daemon's memory fetched
+        ex.reset_prefix_cache()
+        again = ex.add(p)
+        ex.run()
+        assert ex.matched[again.request_id] == (0, 96, False) and ex.bad_kv[again.request_id] == []
+    finally:
+        d.stop()
+    assert generated(ex, b.request_id) == generated(ex, a.request_id) == generated(ex, again.request_id)
+
+
 def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> None:
     """request_finished says True while the daemon still copies out of the request's blocks: they
     stay allocated until every rank returns the request as saved, which is after the stores."""
@@ -277,14 +321,15 @@ def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> N
         d.stop()
 
 
-def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_ended(monkeypatch: pytest.MonkeyPatch, make: Make) -> None:
+@COPY
+def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_ended(monkeypatch: pytest.MonkeyPatch, make: Make, copy_mode: str) -> None:
     """A request cancelled while its (slowed) load still copies: request_finished must keep its
     blocks. Were they freed, the next request would get them, and the late load would overwrite
     that request's KV. The pool holds one request, so the next one gets exactly these blocks."""
     monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", "true")
     d = DaemonProcess(args=["--host-gib", "0.25", "--fault-load-delay-ms", "1500"]).start()
     try:
-        ex = make(address=d.tcp, num_blocks=7)
+        ex = make(address=d.unix if copy_mode == "engine" else d.tcp, copy_mode=copy_mode, num_blocks=7)
         a = ex.add(prompt(100))
         ex.run()
         ex.reset_prefix_cache()

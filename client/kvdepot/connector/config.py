@@ -30,6 +30,11 @@ $KVDEPOT_CONNECTOR_CONFIG (from_env; the variables win).
     token_file          a file holding the token, for a daemon that asks for one (kvdepotd
                         --auth-file); default $KVDEPOT_TOKEN_FILE, else the token itself from
                         $KVDEPOT_TOKEN, else none. (Not the token in this config: vLLM logs it.)
+    copy_mode           who copies blocks between the engine's KV memory and the daemon's host
+                        memory: daemon (it maps the engine's memory: shared CPU memory, CUDA IPC
+                        through torch or the CUDA driver), engine (the workers copy, into host
+                        memory the daemon hands them: kvdepot.engine_copy; needs a unix: address),
+                        auto (default): the daemon where the memory can be shared, else the engine
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from kvdepot.tls import Tls
 
 KEYS = (
     "address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name",
-    "late_load_checks", "tls_ca", "tls_cert", "tls_key", "token_file",
+    "late_load_checks", "tls_ca", "tls_cert", "tls_key", "token_file", "copy_mode",
 )
 
 
@@ -67,6 +72,7 @@ class ConnectorConfig:
     tls_cert: str = ""
     tls_key: str = ""
     token_file: str = ""
+    copy_mode: str = "auto"
     token: str = field(default="", repr=False)  # read from token_file or $KVDEPOT_TOKEN at start-up
 
     def tls(self) -> Tls | None:
@@ -93,6 +99,10 @@ class ConnectorConfig:
             raise ValueError(f"kvdepot: {e}") from None
         out["address"] = _address(out["address"])
         cfg = ConnectorConfig(**out)
+        if cfg.copy_mode not in ("auto", "daemon", "engine"):
+            raise ValueError(f"kvdepot: copy_mode must be auto, daemon or engine, got {cfg.copy_mode!r}")
+        if cfg.copy_mode == "engine" and not cfg.address.startswith("unix:"):
+            raise ValueError("kvdepot: copy_mode engine needs the daemon at a unix: address (its host memory is handed over there)")
         if cfg.late_load_checks not in ("auto", "true", "false"):
             raise ValueError(f"kvdepot: late_load_checks must be auto, true or false, got {cfg.late_load_checks!r}")
         if not cfg.address:

@@ -40,6 +40,7 @@ class Instance:
     def __init__(self) -> None:
         self.key = ""
         self.layout: KvLayout | None = None  # rank 0's worker's, for a scheduler that cannot derive it (TensorRT-LLM)
+        self.engine_copies = False  # rank 0's worker copies its blocks itself (kvdepot.engine_copy)
         self.scheduler: Any = None  # the scheduler side in this process, if any
         self._waiting: list[Callable[[str], None]] = []
 
@@ -68,6 +69,6 @@ class Instance:
             key = self.key
         fn(key)
 
-    def publish(self, layout: KvLayout) -> None:
+    def publish(self, layout: KvLayout, engine_copies: bool = False) -> None:
         with self._lock:
-            self.layout = layout
+            self.layout, self.engine_copies = layout, engine_copies

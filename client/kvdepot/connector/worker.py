@@ -18,11 +18,12 @@ import torch
 
 from kvdepot import handles
 from kvdepot.client import DepotClient, WorkerLink
+from kvdepot.engine_copy import EngineCopier
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.errors import DepotError
 from kvdepot.handoff import handoff_path
 from kvdepot.layout import KvLayout
-from kvdepot.messages import LoadCopied, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
+from kvdepot.messages import LoadCopied, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult, WorkerEvent
 
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
 STARTUP_WAIT_S = 10.0  # the most an engine's start-up waits for the daemon to map its workers' KV memory
@@ -78,7 +79,7 @@ def wait_mapped(client: DepotClient, timeout_s: float, log: logging.Logger) -> b
             return False  # not registered (the daemon is not there yet): nothing to wait for
         if info is not None and (info.layout.kind == 0 or len(info.mapped_ranks) >= max(1, info.layout.world_size)):
             return True
-        time.sleep(0.05)
+        time.sleep(0.01)
     log.warning("kvdepot: the workers' KV memory is not all mapped %.0f s after start: no hits until it is (see the workers' log)", timeout_s)
     return False
 
@@ -108,15 +109,18 @@ class StepMeta(Protocol):
     preempted_ops: dict[str, list[int]]  # ops that may still touch blocks the engine takes back
 
 
-def connect(cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str, style: str = "vllm", join: bool = False) -> DepotClient | None:
+def connect(
+    cfg: ConnectorConfig, layout: KvLayout, model: str, key: str, name: str, style: str = "vllm", join: bool = False, engine_copies: bool = False
+) -> DepotClient | None:
     """A client registered under `key` (kvdepot.connector.instance): the scheduler creates the
-    engine, a worker (`join`) joins it, waiting in the background while it is not there yet."""
+    engine, a worker (`join`) joins it, waiting in the background while it is not there yet.
+    `engine_copies`: the workers copy the engine's blocks themselves (kvdepot.engine_copy)."""
     log = logging.getLogger(f"kvdepot.{style}")  # each engine's connector logs under its own name
     client = DepotClient(cfg.address, deadline_s=cfg.step_timeout_ms / 1000, tls=cfg.tls(), token=cfg.token)
     try:
         engine_id = client.register_engine(
             model, layout, name=name, namespace=cfg.namespace, engine_key=key, late_load_checks=cfg.late_checks_for(layout),
-            keep_trying=True, update_style=style, join=join,
+            keep_trying=True, update_style=style, join=join, engine_copies=engine_copies,
         )
     except DepotError as e:
         log.error("kvdepot: the daemon at %s refused the engine (%s); the connector stays off", cfg.address, e)
@@ -159,31 +163,60 @@ class WorkerSide:
         self.kv_request: Any = None  # the registration of the shared tensors (pb.RegisterKvCachesRequest)
         self.fds: list[int] = []
         self.not_attached_since: float | None = None
+        self.copier: EngineCopier | None = None  # this rank copies its blocks itself (engine_copies)
+        self._deferred: list[WorkerEvent] = []  # events held while the copier still carries out an order of their op
+
+    @property
+    def engine_copies(self) -> bool:
+        return self.copier is not None
 
     def share(self, tensors: Sequence[torch.Tensor], names: Sequence[str], num_blocks: int, rank: int) -> bool:
-        """Shares this rank's KV tensors with the daemon: CUDA IPC handles, memfds handed over (a
-        daemon at unix:PATH) or /dev/shm files. They are registered once the engine's key is known
-        (join). False when they cannot be shared: this rank never joins, and the daemon, which maps
-        no memory for it, offers the engine no hit and stores nothing of it."""
+        """Shares this rank's KV tensors with the daemon (copy_mode daemon or auto): CUDA IPC handles
+        (torch's, else the CUDA driver's), memfds handed over (a daemon at unix:PATH) or /dev/shm
+        files; or, where a GPU pool can be shared in no way (auto) or copy_mode says engine, has
+        this worker copy its blocks itself (kvdepot.engine_copy). They are registered once the
+        engine's key is known (join). False when neither works: this rank never joins, and the
+        daemon, which maps no memory for it, offers the engine no hit and stores nothing of it."""
         if self.layout is None or not tensors:
             return False
         self.rank = rank
         self.cuda = tensors[0].is_cuda
+        why = "copy_mode is engine"
         try:
-            if self.cuda:
-                req = handles.export_cuda_tensors(tensors, num_blocks, names)
-            elif handoff_path(self.cfg.address) is not None:  # memfds handed over: no file in /dev/shm, any user
-                req, self.fds = handles.share_cpu_tensors_memfd(tensors, num_blocks, names)
-            else:
-                req, self.paths = handles.share_cpu_tensors(tensors, num_blocks, names)
+            if self.cfg.copy_mode != "engine":
+                try:
+                    self.kv_request, self.fds, self.paths = self._share(tensors, names, num_blocks)
+                    return True
+                except handles.Unshareable as e:
+                    if self.cfg.copy_mode == "daemon":
+                        raise
+                    why = str(e)
+            if handoff_path(self.cfg.address) is None:
+                raise ValueError(f"this worker must copy its blocks itself ({why}), which needs the daemon at a unix: address")
+            self.copier = EngineCopier(tensors, self.layout, num_blocks, self._report)
+            self.kv_request = handles.engine_copy_request(tensors, num_blocks, names)
         except Exception as e:  # e.g. no room for the memory: the engine serves on without the daemon
             self.log.error(
                 "kvdepot: worker %d: cannot share the KV cache with the daemon (%s): this engine gets no hits and stores nothing",
                 self.rank, e,
             )
             return False
-        self.kv_request = req
+        self.log.info("kvdepot: worker %d copies its blocks itself (engine-side copy: %s)", self.rank, why)
         return True
+
+    def _share(self, tensors: Sequence[torch.Tensor], names: Sequence[str], num_blocks: int) -> tuple[Any, list[int], list[str]]:
+        if self.cuda:  # handed over on the handoff socket where virtual memory is exported as descriptors
+            req, fds = handles.export_cuda_tensors(tensors, num_blocks, names, may_hand_over=handoff_path(self.cfg.address) is not None)
+            return req, fds, []
+        if handoff_path(self.cfg.address) is not None:  # memfds handed over: no file in /dev/shm, any user
+            req, fds = handles.share_cpu_tensors_memfd(tensors, num_blocks, names)
+            return req, fds, []
+        req, paths = handles.share_cpu_tensors(tensors, num_blocks, names)
+        return req, [], paths
+
+    def _report(self, op_id: int, failed: list[int], message: str) -> None:
+        if (link := self.link) is not None:
+            link.copies_done(op_id, failed, message)
 
     def join(self, key: str) -> None:
         """Joins the engine its scheduler registered under `key` and registers this rank's shared KV
@@ -208,10 +241,12 @@ class WorkerSide:
         if self.kv_request is None or self.layout is None:
             return
         name = f"{self.cfg.engine_name}-worker-{self.rank}"
-        self.client = connect(self.cfg, self.layout, self.model, self.key, name, self.style, join=True)
+        self.client = connect(self.cfg, self.layout, self.model, self.key, name, self.style, join=True, engine_copies=self.engine_copies)
         if self.client is None:
             return
         self.link = self.client.worker(self.rank)
+        if self.copier is not None:
+            self.link.on_orders, self.link.on_arena = self.copier.submit, self.copier.map_arena
         if not self.link.register_kv_caches(self.kv_request, self.fds) and self.client.engine_id:
             self.log.error("kvdepot: worker %d: the daemon refused the KV caches; loads and stores stay off", self.rank)
 
@@ -219,7 +254,13 @@ class WorkerSide:
     def _absorb(self) -> None:
         if self.link is None:
             return
-        for ev in self.link.poll():
+        events, self._deferred = self._deferred + self.link.poll(), []
+        for k, ev in enumerate(events):
+            if isinstance(ev, OpCompleted) and self.copier is not None and self.copier.busy(ev.op_id):
+                # This process still copies for the op (an order it took before the daemon gave the op
+                # up): the engine must not act on its end yet. What came after it waits too, in order.
+                self._deferred = events[k:]
+                break
             if isinstance(ev, OpCompleted):
                 self.done[ev.op_id] = ev
                 self.new_completed.add(ev.op_id)
@@ -242,6 +283,8 @@ class WorkerSide:
         return now - self.not_attached_since > _NOT_ATTACHED_GRACE_S
 
     def _settled(self, job: LoadJob) -> bool:
+        if self.copier is not None and any(self.copier.busy(op) for op in job.ops):
+            return False  # this process still writes its blocks
         if all(op in self.done for op in job.ops):
             return True
         return time.time() * 1000 > job.deadline_ms + 500 or self._gone()
@@ -298,8 +341,11 @@ class WorkerSide:
             return
         event = None
         if self.cuda:
-            event = torch.cuda.Event(interprocess=True)
+            event = torch.cuda.Event(interprocess=not self.engine_copies)
             event.record(stream)
+        if self.copier is not None:  # its stores' copies wait for the event on the copier's stream
+            self.copier.note_forward(step, event)
+            event = None
         self.link.forward_done(step, event)
 
     def finished(self, finished_req_ids: set[str], held: dict[str, bool] | None) -> tuple[set[str] | None, set[str] | None]:
@@ -357,6 +403,8 @@ class WorkerSide:
         """Leaves the engine (the last of its processes to leave ends it) and lets go of the shared
         memory; idempotent (it runs at exit too)."""
         self.close_link()
+        if self.copier is not None:
+            self.copier.close()
         handles.remove_shm_files(self.paths)
         handles.close_fds(self.fds)
         self.fds, self.paths = [], []

@@ -11,6 +11,8 @@ kv_factor 1 (K only) writes and checks K alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvdepot import handles
@@ -22,7 +24,10 @@ POISON = -1.0  # what fresh blocks hold: a load that did not happen shows up
 
 
 class FakeKv:
-    def __init__(self, layout: KvLayout, num_blocks: int, device: str = "cpu") -> None:
+    def __init__(self, layout: KvLayout, num_blocks: int, device: str = "cpu", alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        """`alloc(shape, dtype)`: where a TensorRT-LLM pool's memory comes from (another allocator
+        than torch's: bench/gpu_trtllm.py); its tensor is filled here."""
+        self.alloc = alloc
         self.layout = layout
         self.num_blocks = num_blocks
         self.dtype = TORCH_DTYPES[layout.dtype]
@@ -42,7 +47,8 @@ class FakeKv:
         if self.layout.kind == "contiguous":
             return [torch.full((nb, L, self.layout.kv_factor, bs, H, D), POISON, dtype=dt, device=self.device)]
         if self.layout.kind == "trtllm":
-            return [torch.full((nb, L, self.layout.kv_factor, H * bs * D), POISON, dtype=dt, device=self.device)]
+            shape = (nb, L, self.layout.kv_factor, H * bs * D)
+            return [self.alloc(shape, dt).fill_(POISON) if self.alloc is not None else torch.full(shape, POISON, dtype=dt, device=self.device)]
         raise ValueError(f"FakeKv needs a layout with tensors, not {self.layout.kind!r}")
 
     def share(self, memfd: bool = False) -> list[pb.RegisterKvCachesRequest]:

@@ -191,12 +191,14 @@ class StandInExecutor:
         max_batch: int = 8,
         device: str = "cpu",
         honour: Callable[[int], int] | None = None,
+        pool_alloc: Callable[[tuple[int, ...], Any], Any] | None = None,
     ) -> None:
         """`honour(E)`: the tokens of a connector's offer the KV cache manager takes (KVCacheManagerV2
-        may take fewer, recorded in request.py_num_connector_matched_tokens; it computes the rest)."""
+        may take fewer, recorded in request.py_num_connector_matched_tokens; it computes the rest).
+        `pool_alloc(shape, dtype)`: the pool's memory from another allocator than torch's."""
         assert layout.kind == "trtllm" and layout.block_size == llm_args.kv_cache_config.tokens_per_block
         self.layout, self.bs, self.world = layout, layout.block_size, layout.world_size
-        self.kv = FakeKv(layout, num_blocks, device)
+        self.kv = FakeKv(layout, num_blocks, device, pool_alloc)
         self.blocks = _Blocks(num_blocks, self.bs)
         self.chunk_size = chunk_size
         self.max_batch = max_batch

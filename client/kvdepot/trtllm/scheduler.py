@@ -82,7 +82,7 @@ class SchedulerSide:
                 log.warning("kvdepot: rank 0's worker has not registered the KV pool yet; the connector stays idle")
                 self._waiting_since = time.monotonic()
             return False
-        self.client = connect(self.cfg, layout, self.model, self.key, self.cfg.engine_name, STYLE)
+        self.client = connect(self.cfg, layout, self.model, self.key, self.cfg.engine_name, STYLE, engine_copies=self.instance.engine_copies)
         self.off = self.client is None  # refused: connect() said why
         return not self.off
 

@@ -50,7 +50,7 @@ class TrtllmWorkerSide(WorkerSide):
             self.layout = layout
         shared = layout is not None and pool is not None and self.share([pool], ["kv_pool"], int(pool.shape[0]), rank)
         if shared and rank == 0 and (scheduler := self.instance.scheduler) is not None:
-            self.instance.publish(layout)  # type: ignore[arg-type]
+            self.instance.publish(layout, self.engine_copies)  # type: ignore[arg-type]
             scheduler.ready()
         # A collective: every rank calls it, whatever happened above.
         key = broadcast_from_rank0(self.instance.key if rank == 0 and shared else "")

@@ -70,7 +70,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., world_size: _Optional[int] = ..., kind: _Optional[_Union[KvLayoutKind, str]] = ..., kv_factor: _Optional[int] = ...) -> None: ...
 
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key", "late_load_checks", "join")
+    __slots__ = ("engine_name", "model", "layout", "namespace", "update_style", "lease_ms", "engine_key", "late_load_checks", "join", "engine_copies")
     ENGINE_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class RegisterEngineRequest(_message.Message):
     ENGINE_KEY_FIELD_NUMBER: _ClassVar[int]
     LATE_LOAD_CHECKS_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_COPIES_FIELD_NUMBER: _ClassVar[int]
     engine_name: str
     model: str
     layout: KvLayout
@@ -89,7 +90,8 @@ class RegisterEngineRequest(_message.Message):
     engine_key: str
     late_load_checks: bool
     join: bool
-    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ..., late_load_checks: _Optional[bool] = ..., join: _Optional[bool] = ...) -> None: ...
+    engine_copies: bool
+    def __init__(self, engine_name: _Optional[str] = ..., model: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., namespace: _Optional[str] = ..., update_style: _Optional[_Union[UpdateStyle, str]] = ..., lease_ms: _Optional[int] = ..., engine_key: _Optional[str] = ..., late_load_checks: _Optional[bool] = ..., join: _Optional[bool] = ..., engine_copies: _Optional[bool] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("engine_id", "lease_ms", "block_bytes", "host_capacity_blocks", "joined", "lanes")
@@ -163,13 +165,40 @@ class CudaIpcHandle(_message.Message):
     event_sync_required: bool
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
+class CudaDriverHandle(_message.Message):
+    __slots__ = ("device", "size", "offset", "ipc_handle", "chunks", "mapped_size")
+    class Chunk(_message.Message):
+        __slots__ = ("offset", "size", "handoff_id")
+        OFFSET_FIELD_NUMBER: _ClassVar[int]
+        SIZE_FIELD_NUMBER: _ClassVar[int]
+        HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+        offset: int
+        size: int
+        handoff_id: str
+        def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., handoff_id: _Optional[str] = ...) -> None: ...
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    size: int
+    offset: int
+    ipc_handle: bytes
+    chunks: _containers.RepeatedCompositeFieldContainer[CudaDriverHandle.Chunk]
+    mapped_size: int
+    def __init__(self, device: _Optional[int] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., chunks: _Optional[_Iterable[_Union[CudaDriverHandle.Chunk, _Mapping]]] = ..., mapped_size: _Optional[int] = ...) -> None: ...
+
 class KvStorage(_message.Message):
-    __slots__ = ("cpu_shm", "cuda_ipc")
+    __slots__ = ("cpu_shm", "cuda_ipc", "cuda_driver")
     CPU_SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DRIVER_FIELD_NUMBER: _ClassVar[int]
     cpu_shm: CpuShmHandle
     cuda_ipc: CudaIpcHandle
-    def __init__(self, cpu_shm: _Optional[_Union[CpuShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    cuda_driver: CudaDriverHandle
+    def __init__(self, cpu_shm: _Optional[_Union[CpuShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., cuda_driver: _Optional[_Union[CudaDriverHandle, _Mapping]] = ...) -> None: ...
 
 class KvTensor(_message.Message):
     __slots__ = ("name", "storage", "storage_offset", "shape", "stride", "dtype")
@@ -188,20 +217,22 @@ class KvTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., storage: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterKvCachesRequest(_message.Message):
-    __slots__ = ("engine_id", "rank", "num_blocks", "storages", "tensors", "doorbell_handoff_id")
+    __slots__ = ("engine_id", "rank", "num_blocks", "storages", "tensors", "doorbell_handoff_id", "engine_copies")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORAGES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_COPIES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     rank: int
     num_blocks: int
     storages: _containers.RepeatedCompositeFieldContainer[KvStorage]
     tensors: _containers.RepeatedCompositeFieldContainer[KvTensor]
     doorbell_handoff_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., storages: _Optional[_Iterable[_Union[KvStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KvTensor, _Mapping]]] = ..., doorbell_handoff_id: _Optional[str] = ...) -> None: ...
+    engine_copies: bool
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., storages: _Optional[_Iterable[_Union[KvStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KvTensor, _Mapping]]] = ..., doorbell_handoff_id: _Optional[str] = ..., engine_copies: _Optional[bool] = ...) -> None: ...
 
 class RegisterKvCachesResponse(_message.Message):
     __slots__ = ("mapped_bytes",)
@@ -332,18 +363,30 @@ class Hello(_message.Message):
     def __init__(self, token: _Optional[str] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("token", "fds")
+    __slots__ = ("token", "fds", "fetch_arena", "cuda_fds")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FDS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ARENA_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FDS_FIELD_NUMBER: _ClassVar[int]
     token: str
     fds: int
-    def __init__(self, token: _Optional[str] = ..., fds: _Optional[int] = ...) -> None: ...
+    fetch_arena: FetchArena
+    cuda_fds: int
+    def __init__(self, token: _Optional[str] = ..., fds: _Optional[int] = ..., fetch_arena: _Optional[_Union[FetchArena, _Mapping]] = ..., cuda_fds: _Optional[int] = ...) -> None: ...
+
+class FetchArena(_message.Message):
+    __slots__ = ("engine_id",)
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "arena_bytes")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    arena_bytes: int
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., arena_bytes: _Optional[int] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("lookup", "step", "hello")
@@ -356,7 +399,7 @@ class SessionResponse(_message.Message):
     def __init__(self, lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., step: _Optional[_Union[StepResponse, _Mapping]] = ..., hello: _Optional[_Union[WhoAmIResponse, _Mapping]] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("attach", "forward_done")
+    __slots__ = ("attach", "forward_done", "copies_done")
     class Attach(_message.Message):
         __slots__ = ("engine_id", "rank")
         ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -371,14 +414,41 @@ class WorkerMessage(_message.Message):
         step: int
         cuda_event: bytes
         def __init__(self, step: _Optional[int] = ..., cuda_event: _Optional[bytes] = ...) -> None: ...
+    class CopiesDone(_message.Message):
+        __slots__ = ("op_id", "failed", "message")
+        OP_ID_FIELD_NUMBER: _ClassVar[int]
+        FAILED_FIELD_NUMBER: _ClassVar[int]
+        MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        op_id: int
+        failed: _containers.RepeatedScalarFieldContainer[int]
+        message: str
+        def __init__(self, op_id: _Optional[int] = ..., failed: _Optional[_Iterable[int]] = ..., message: _Optional[str] = ...) -> None: ...
     ATTACH_FIELD_NUMBER: _ClassVar[int]
     FORWARD_DONE_FIELD_NUMBER: _ClassVar[int]
+    COPIES_DONE_FIELD_NUMBER: _ClassVar[int]
     attach: WorkerMessage.Attach
     forward_done: WorkerMessage.ForwardDone
-    def __init__(self, attach: _Optional[_Union[WorkerMessage.Attach, _Mapping]] = ..., forward_done: _Optional[_Union[WorkerMessage.ForwardDone, _Mapping]] = ...) -> None: ...
+    copies_done: WorkerMessage.CopiesDone
+    def __init__(self, attach: _Optional[_Union[WorkerMessage.Attach, _Mapping]] = ..., forward_done: _Optional[_Union[WorkerMessage.ForwardDone, _Mapping]] = ..., copies_done: _Optional[_Union[WorkerMessage.CopiesDone, _Mapping]] = ...) -> None: ...
+
+class CopyOrder(_message.Message):
+    __slots__ = ("op_id", "store", "step", "indices", "block_ids", "host_offsets")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    store: bool
+    step: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    host_offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, op_id: _Optional[int] = ..., store: _Optional[bool] = ..., step: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., host_offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerEvent(_message.Message):
-    __slots__ = ("attached", "completed", "released", "copied")
+    __slots__ = ("attached", "completed", "released", "copied", "orders")
     class Attached(_message.Message):
         __slots__ = ("rank",)
         RANK_FIELD_NUMBER: _ClassVar[int]
@@ -403,11 +473,13 @@ class WorkerEvent(_message.Message):
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     COPIED_FIELD_NUMBER: _ClassVar[int]
+    ORDERS_FIELD_NUMBER: _ClassVar[int]
     attached: WorkerEvent.Attached
     completed: _containers.RepeatedCompositeFieldContainer[WorkerEvent.OpCompleted]
     released: _containers.RepeatedScalarFieldContainer[str]
     copied: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, attached: _Optional[_Union[WorkerEvent.Attached, _Mapping]] = ..., completed: _Optional[_Iterable[_Union[WorkerEvent.OpCompleted, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., copied: _Optional[_Iterable[int]] = ...) -> None: ...
+    orders: _containers.RepeatedCompositeFieldContainer[CopyOrder]
+    def __init__(self, attached: _Optional[_Union[WorkerEvent.Attached, _Mapping]] = ..., completed: _Optional[_Iterable[_Union[WorkerEvent.OpCompleted, _Mapping]]] = ..., released: _Optional[_Iterable[str]] = ..., copied: _Optional[_Iterable[int]] = ..., orders: _Optional[_Iterable[_Union[CopyOrder, _Mapping]]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -29,6 +29,7 @@ class KvDepotHandshake(KVConnectorHandshakeMetadata):
     broadcast to its peers (kvdepot.connector.instance)."""
 
     engine_key: str = ""
+    engine_copies: bool = False  # the worker copies its blocks itself (kvdepot.engine_copy)
 
 
 @dataclass

@@ -105,7 +105,8 @@ class KvDepotConnector(KVConnectorBase_V1):
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         if self._sched is not None:
-            self._sched.connect(m.engine_key for m in metadata.values() if isinstance(m, KvDepotHandshake))
+            ours = [m for m in metadata.values() if isinstance(m, KvDepotHandshake)]
+            self._sched.connect([m.engine_key for m in ours], [m.engine_copies for m in ours])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._sched is not None

@@ -62,19 +62,20 @@ class SchedulerSide:
         self.admissions: collections.deque[tuple[str, int, int, int]] = collections.deque(maxlen=1024)  # (rid, L, E, C) sent
         close_at_exit(self)
 
-    def connect(self, keys: Iterable[str] = ()) -> None:
+    def connect(self, keys: Iterable[str] = (), engine_copies: Iterable[bool] = ()) -> None:
         """Registers the engine under the key its workers minted and joined (vLLM hands their
         handshake over before the engine serves), or, when none came, under one minted here, which
-        the workers then learn from the first step's metadata."""
+        the workers then learn from the first step's metadata; with engine_copies when the workers
+        copy their blocks themselves."""
         if self.client is not None or self.layout is None:
             return
-        found = sorted({k for k in keys if k})
-        if len(found) > 1:
-            log.error("kvdepot: the workers joined different engine keys (%d): the connector stays off", len(found))
+        found, copies = sorted({k for k in keys if k}), set(engine_copies)
+        if len(found) > 1 or len(copies) > 1:
+            log.error("kvdepot: the workers joined different engine keys or copy modes: the connector stays off")
             self.layout = None
             return
         self.key = found[0] if found else mint("vllm", self.model)
-        self.client = connect(self.cfg, self.layout, self.model, self.key, self.cfg.engine_name)
+        self.client = connect(self.cfg, self.layout, self.model, self.key, self.cfg.engine_name, engine_copies=copies == {True})
         if self.client is not None and found:  # start-up: serve once the workers' memory is mapped
             wait_mapped(self.client, STARTUP_WAIT_S, log)
     def _usable(self, request: Request) -> bool:

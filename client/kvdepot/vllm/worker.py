@@ -31,7 +31,7 @@ class VllmWorkerSide(WorkerSide):
             self.join(key)
 
     def handshake(self) -> KvDepotHandshake | None:
-        return KvDepotHandshake(self.key) if self.key else None
+        return KvDepotHandshake(self.key, self.engine_copies) if self.key else None
 
     def worker_meta(self) -> KvDepotWorkerMetadata | None:
         done = self.take_completed()

@@ -41,11 +41,11 @@ from collections.abc import Sequence
 from kvdepot.hashing import BlockHash
 from kvdepot.layout import KvLayout
 from kvdepotd.core import audit, lookup
-from kvdepotd.core.disk import DISK_MAX_RANKS, DiskJob, DiskPlanner, Domain, disk_record_bytes
+from kvdepotd.core.disk import DISK_MAX_RANKS, DiskJob, DiskPlanner, Domain, disk_record_bytes, is_private, private_class
 from kvdepotd.core.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, ResourceExhausted, not_registered
 from kvdepotd.core.ops import EngineId, Op, OpId, OpKind, OpTable, Part, RequestId
 from kvdepotd.core.plan import OpPlanner
-from kvdepotd.core.pool import BlockPool, SlabBudget, CellId
+from kvdepotd.core.pool import BlockPool, CellId, PrivateSpace, SlabBudget
 from kvdepotd.core.remote import REMOTE_MAX_RANKS, RemoteJob, RemotePlanner
 from kvdepotd.core.records import (
     MAX_LEASE_MS,
@@ -104,9 +104,12 @@ class Depot:
         key: str = "",
         late_load_checks: bool = False,
         join: bool = False,
+        engine_copies: bool = False,
     ) -> tuple[Engine, bool]:
         """A new engine under `engine_id`, or, when `key` names a live engine, that engine (joined:
-        its lease is renewed) and True. `join`: never a new engine (NotFound when `key` names none)."""
+        its lease is renewed) and True. `join`: never a new engine (NotFound when `key` names none).
+        `engine_copies`: its workers copy its blocks themselves, into host memory of its namespace's
+        own (private_class), which they map."""
         try:
             layout.validate()
         except ValueError as e:
@@ -126,16 +129,22 @@ class Depot:
             )
         if key and (joined := self.by_key.get((namespace, key))) is not None:
             eng = self.engines[joined]
-            if (eng.model, eng.layout, eng.style) != (model, layout, style):
+            if (eng.model, eng.layout, eng.style, eng.engine_copies) != (model, layout, style, engine_copies):
                 raise FailedPrecondition(
                     f"engine key {key!r} belongs to engine {eng.engine_id} registered with model {eng.model!r}, "
-                    f"layout {eng.layout}, style {eng.style.value}: this registration differs"
+                    f"layout {eng.layout}, style {eng.style.value}, engine_copies {eng.engine_copies}: this registration differs"
                 )
             eng.lease_expires_ms = max(eng.lease_expires_ms, now_ms + lease)
             eng.processes += 1
             return eng, True
-        domain = self._domain(layout)
-        eng = Engine(engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key, late_load_checks, registered_ms=now_ms)
+        if engine_copies and layout.kind == "none":
+            raise InvalidRequest("engine_copies is for engines whose workers copy KV bytes; layout kind 'none' has none")
+        cls = private_class(layout.layout_class, namespace) if engine_copies else layout.layout_class
+        domain = self.domain_for(cls, layout.block_bytes, layout.world_size)
+        eng = Engine(
+            engine_id, name, model, layout, namespace, style, lease, now_ms + lease, domain, key, late_load_checks, registered_ms=now_ms,
+            engine_copies=engine_copies,
+        )
         self.engines[engine_id] = eng
         if key:
             self.by_key[namespace, key] = engine_id
@@ -585,14 +594,12 @@ class Depot:
             raise NotFound(not_registered(engine_id))
         return eng
 
-    def _domain(self, layout: KvLayout) -> Domain:
-        return self.domain_for(layout.layout_class, layout.block_bytes, layout.world_size)
-
     def domain_for(self, layout_class: str, block_bytes: int, world_size: int) -> Domain:
         d = self.domains.get(layout_class)
         if d is None:
             policy = self.config.eviction_policy
-            pool = BlockPool(layout_class, block_bytes, self.host_budget)
+            space = PrivateSpace(self.host_budget) if is_private(layout_class) else self.host_budget
+            pool = BlockPool(layout_class, block_bytes, space)
             registry = BlockRegistry(pool, make_eviction_policy(policy), owner_share=self.config.namespace_host_share)
             d = Domain(layout_class, block_bytes, world_size, registry)
             if self.config.disk_bytes and world_size <= DISK_MAX_RANKS:

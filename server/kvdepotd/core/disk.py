@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvdepot.hashing import BlockHash
+from kvdepot.hashing import BlockHash, scope_seed
 from kvdepotd.core.ops import Op, OpId, OpTable
 from kvdepotd.core.pool import CellId
 from kvdepotd.core.registry import BlockRegistry, BlockStatus
@@ -48,6 +48,26 @@ SEEN_CAP = 1 << 18  # hashes the admission window remembers per layout class
 def disk_record_bytes(block_bytes: int) -> int:
     """Bytes one block takes on disk: its header, then its data padded to the alignment."""
     return DISK_HEADER_BYTES + -(-block_bytes // DISK_ALIGN) * DISK_ALIGN
+
+
+PRIVATE_MARK = "@"  # in a layout class: the blocks of engines that copy them themselves, per namespace
+
+
+def private_class(layout_class: str, namespace: str) -> str:
+    """Where the blocks of engines of `namespace` that copy their blocks themselves live: a domain of
+    its own, whose host memory (its own space, kvdepotd.core.pool.PrivateSpace) the engines' workers
+    map, so no other namespace's block is ever within their reach."""
+    return f"{layout_class}{PRIVATE_MARK}{scope_seed(0, namespace) & 0xFFFFFFFF:08x}"
+
+
+def is_private(layout_class: str) -> bool:
+    return PRIVATE_MARK in layout_class
+
+
+def public_class(layout_class: str) -> str:
+    """The layout class a block's bytes have (the same whoever copied them): what the remote
+    store's keys name, so nodes share blocks whichever side copies."""
+    return layout_class.split(PRIVATE_MARK, 1)[0]
 
 
 @dataclass(slots=True)

@@ -2,6 +2,7 @@
 
 Primitives:
     SlabBudget(total_bytes, slab_bytes)   the tier's byte budget, handed out in slabs
+    PrivateSpace(budget)                  slabs counted against a budget, placed in memory of their own
     BlockPool(layout_class, block_bytes, budget)
         allocate() -> CellId | None      O(1); None when neither a free cell nor a new slab is left
         take(cells) -> bool              marks given cells used (recovery of a persistent tier)
@@ -31,6 +32,7 @@ class SlabBudget:
         self.total_bytes = total_bytes
         self.slab_bytes = slab_bytes
         self.used_bytes = 0
+        self._next_offset = 0  # the tier's own memory: slabs of private spaces take none of it
 
     @property
     def free_bytes(self) -> int:
@@ -44,17 +46,52 @@ class SlabBudget:
 
     def claim(self, nbytes: int) -> int | None:
         """Byte offset of a new slab of `nbytes` in the tier, or None when the budget is spent."""
-        if nbytes > self.free_bytes:
+        if not self.reserve(nbytes):
             return None
-        offset = self.used_bytes
+        offset = self._next_offset
+        self._next_offset += nbytes
+        return offset
+
+    def reserve(self, nbytes: int) -> bool:
+        """Counts `nbytes` against the budget without a place in the tier's own memory (a slab of a
+        private space: PrivateSpace). False when the budget is spent."""
+        if nbytes > self.free_bytes:
+            return False
         self.used_bytes += nbytes
+        return True
+
+
+class PrivateSpace:
+    """Slabs counted against a tier's budget but placed in memory of their own (an engine's private
+    host memory, kvdepotd.core.disk.private_class): offsets from 0 in that memory."""
+
+    def __init__(self, budget: SlabBudget) -> None:
+        self._budget = budget
+        self._next_offset = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self._budget.total_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._budget.free_bytes
+
+    def slab_size_for(self, block_bytes: int) -> tuple[int, int]:
+        return self._budget.slab_size_for(block_bytes)
+
+    def claim(self, nbytes: int) -> int | None:
+        if not self._budget.reserve(nbytes):
+            return None
+        offset = self._next_offset
+        self._next_offset += nbytes
         return offset
 
 
 class BlockPool:
     """Cells of one layout class in one tier."""
 
-    def __init__(self, layout_class: str, block_bytes: int, budget: SlabBudget) -> None:
+    def __init__(self, layout_class: str, block_bytes: int, budget: SlabBudget | PrivateSpace) -> None:
         self.layout_class = layout_class
         self.block_bytes = block_bytes
         self._budget = budget

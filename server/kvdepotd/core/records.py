@@ -189,6 +189,7 @@ class Engine:
     # TensorRT-LLM cannot be told, so its KV would be wrong) and a store would keep a partial block.
     mapped: set[int] = field(default_factory=set)
     registered_ms: int = 0
+    engine_copies: bool = False  # its workers copy its blocks (to and from its private domain), not the daemon
 
     @property
     def moves_bytes(self) -> bool:

@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import threading
 import time
 from typing import Any
 
 import torch
+
+from kvdepotd.core.disk import is_private
 
 log = logging.getLogger("kvdepotd")
 PIECE = 2 << 20  # bytes backed per call (the memory-map lock is held that long)
@@ -66,8 +70,12 @@ def populate_write(addr: int, nbytes: int) -> int:
 
 
 class HostArena:
-    def __init__(self, total_bytes: int, directory: str = "/dev/shm") -> None:
+    def __init__(self, total_bytes: int, directory: str = "/dev/shm", private: bool = False) -> None:
+        """`private`: the memory of one private domain (engines that copy their blocks themselves,
+        kvdepotd.core.disk.private_class): a memfd the daemon hands to their workers (`fd`), sealed
+        so that no holder can shrink or grow it; the daemon pins none of it (the workers do)."""
         self.total_bytes = total_bytes
+        self.fd = -1
         self.checksums: dict[tuple[str, int, int], int] = {}  # (layout class, cell, rank) -> xxh3
         self.ready_bytes = 0  # [0, ready_bytes) is backed by memory (and pinned with CUDA)
         self.error = ""  # why backing more failed: copies beyond ready_bytes fail with it
@@ -77,10 +85,20 @@ class HostArena:
         self._closing = False
         self._pinned: list[tuple[int, int]] = []  # (address, bytes) registered with CUDA
         self._populate = True  # until the kernel says it has no MADV_POPULATE_WRITE
-        self._cuda = torch.cuda.is_available()
+        self._cuda = torch.cuda.is_available() and not private
         if total_bytes == 0:
             self.tensor = torch.empty(0, dtype=torch.uint8)
             self.base = 0
+            return
+        if private:
+            self.fd = os.memfd_create("kvdepotd-private-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            os.ftruncate(self.fd, total_bytes)  # sparse: memory is taken as blocks arrive, as in the main arena
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._mmap = mmap.mmap(self.fd, total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            self.base = self.tensor.data_ptr()
+            self._thread = threading.Thread(target=self._back, name="kvdepot-arena-private", daemon=True)
+            self._thread.start()
             return
         st = os.statvfs(directory)
         free = st.f_bavail * st.f_frsize
@@ -185,3 +203,36 @@ class HostArena:
             for ptr, _ in self._pinned:
                 torch.cuda.cudart().cudaHostUnregister(ptr)
             self._pinned.clear()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Arenas:
+    """The host tier's memory: the main arena, and one of its own for each private domain (made at
+    first use; its slabs count against the same budget, kvdepotd.core.pool.PrivateSpace)."""
+
+    def __init__(self, main: HostArena) -> None:
+        self.main = main
+        self._private: dict[str, HostArena] = {}
+        self._lock = threading.Lock()
+
+    def of(self, layout_class: str) -> HostArena:
+        if not is_private(layout_class):
+            return self.main
+        with self._lock:
+            arena = self._private.get(layout_class)
+            if arena is None:
+                arena = self._private[layout_class] = HostArena(self.main.total_bytes, private=True)
+            return arena
+
+    @property
+    def ready_bytes(self) -> int:
+        return self.main.ready_bytes + sum(a.ready_bytes for a in list(self._private.values()))
+
+    def close(self) -> None:
+        self.main.close()
+        with self._lock:
+            for a in self._private.values():
+                a.close()
+            self._private.clear()

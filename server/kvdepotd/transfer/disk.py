@@ -32,7 +32,7 @@ from kvdepotd.core.disk import DiskJob, DiskJobKind
 from kvdepotd.storage.checksum import xxh3_at
 from kvdepotd.storage.disk import ClassStore
 from kvdepotd.storage.disk_dir import DiskStore
-from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.storage.host_arena import Arenas
 
 log = logging.getLogger("kvdepotd")
 DoneFn = Callable[[int, set[int], set[int], str], None]
@@ -40,9 +40,9 @@ Result = tuple[set[int], set[int], str]
 
 
 class DiskCopyEngine:
-    def __init__(self, on_done: DoneFn, arena: HostArena, store: DiskStore, threads: int = 2, observe: Callable[[str, int, float], None] | None = None) -> None:
+    def __init__(self, on_done: DoneFn, arenas: Arenas, store: DiskStore, threads: int = 2, observe: Callable[[str, int, float], None] | None = None) -> None:
         self.on_done = on_done
-        self.arena = arena
+        self.arenas = arenas
         self.store = store
         self.observe = observe or (lambda kind, nbytes, seconds: None)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-disk")
@@ -108,7 +108,7 @@ class DiskCopyEngine:
     def _write(self, job: DiskJob) -> Result:
         t0 = time.perf_counter()
         store = self._class(job)
-        arena = self.arena
+        arena = self.arenas.of(job.layout_class)
         rb, cls = store.rank_bytes, job.layout_class
         blocks = []
         for it in job.items:
@@ -126,9 +126,10 @@ class DiskCopyEngine:
         t0 = time.perf_counter()
         try:
             store = self._class(job)
-            if not self.arena.ensure(max(it.host_offset for it in job.items) + store.block_bytes):
-                raise OSError(self.arena.error)
-            failed, got = store.read_raw([(it.disk_cell, it.hash, self.arena.base + it.host_offset) for it in job.items])
+            arena = self.arenas.of(job.layout_class)
+            if not arena.ensure(max(it.host_offset for it in job.items) + store.block_bytes):
+                raise OSError(arena.error)
+            failed, got = store.read_raw([(it.disk_cell, it.hash, arena.base + it.host_offset) for it in job.items])
         except Exception as e:  # reported through the same path as a failing check
             fut: Future[Result] = Future()
             fut.set_exception(e)
@@ -137,7 +138,7 @@ class DiskCopyEngine:
         self._pool.submit(self._check, job, store, failed, got, t0).add_done_callback(finished)
 
     def _check(self, job: DiskJob, store: ClassStore, failed: set[int], got: list[tuple[int, int, int, bytes]], t0: float) -> Result:
-        arena, cls = self.arena, job.layout_class
+        arena, cls = self.arenas.of(job.layout_class), job.layout_class
         corrupt, sums = store.check(got, data=False)
         if corrupt:
             store.flush_removes()

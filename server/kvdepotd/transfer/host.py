@@ -43,9 +43,10 @@ from kvdepot.layout import KvLayout
 from kvdepotd.core.ops import OpId, OpKind, Part
 from kvdepotd.core.pool import CellId
 from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
-from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.storage.host_arena import Arenas
 from kvdepotd.transfer import blockcopy
 from kvdepotd.transfer.base import Copied, CopyEngine, PartDone
+from kvdepotd.transfer.engine_copy import CopyOrder, EngineCopyRank, EngineParts, engine_pass
 from kvdepotd.transfer.mapping import RankMapping
 
 log = logging.getLogger("kvdepotd")
@@ -75,7 +76,7 @@ class Faults:
 @dataclass(eq=False)  # one part is one object: the live list removes it by identity
 class _Part:
     plan: Part
-    mapping: RankMapping
+    mapping: RankMapping | EngineCopyRank
     layout: KvLayout
     work: Work
     event: bytes | None  # the CUDA event a GPU store waits on
@@ -88,6 +89,8 @@ class _Part:
     failed: list[int] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
     message: str = ""
+    phase: str = ""  # an engine-copy part's (kvdepotd.transfer.engine_copy); "" for the daemon's own copies
+    outstanding: int = 0  # an engine-copy part's orders its worker has not reported yet
 
 
 PAST_DEADLINE = "the op's deadline passed before its copy was done (was the daemon stalled?): no more engine blocks are touched"
@@ -102,25 +105,29 @@ def _warn_shrunk(m: RankMapping) -> str:
     return SHRUNK
 
 
-class HostCopyEngine(CopyEngine):
+class HostCopyEngine(EngineParts, CopyEngine):
     def __init__(
         self,
         on_done: Callable[[list[PartDone]], None],
-        arena: HostArena,
+        arenas: Arenas,
         threads: int = 2,
         faults: Faults | None = None,
         on_copied: Callable[[int, int], None] | None = None,
         store_nice: int = 10,
         clock_ms: Callable[[], float] = lambda: time.time() * 1000,
+        on_order: Callable[[CopyOrder], bool] | None = None,
     ) -> None:
-        """`clock_ms`: the clock ops' deadlines are in (the runtime's: wall-clock milliseconds)."""
+        """`clock_ms`: the clock ops' deadlines are in (the runtime's: wall-clock milliseconds).
+        `on_order`: sends an engine-copy part's order to its worker; False when it has no stream."""
         super().__init__(on_done)
+        self.on_order = on_order
+        self._orders: dict[tuple[OpId, int], _Part] = {}
         self.clock_ms = clock_ms
         self.on_copied = on_copied  # (op id, rank): a late-checked load's bytes are in the engine
-        self.arena = arena
+        self.arenas = arenas
         self.faults = faults or Faults()
         self.layouts: dict[str, KvLayout] = {}
-        self.mappings: dict[tuple[str, int], RankMapping] = {}
+        self.mappings: dict[tuple[str, int], RankMapping | EngineCopyRank] = {}
         self.threads = threads  # per queue: `threads` copy loads, as many copy stores
         self.store_nice = store_nice
         self._cond = threading.Condition()
@@ -137,7 +144,7 @@ class HostCopyEngine(CopyEngine):
     def add_engine(self, engine_id: str, layout: KvLayout) -> None:
         self.layouts[engine_id] = layout
 
-    def add_mapping(self, mapping: RankMapping) -> None:
+    def add_mapping(self, mapping: RankMapping | EngineCopyRank) -> None:
         self.mappings[(mapping.engine_id, mapping.rank)] = mapping
 
     @property
@@ -160,7 +167,7 @@ class HostCopyEngine(CopyEngine):
         """A GPU worker's end-of-forward event for `step`; stores of that step wait on it (CPU
         mappings have nothing to wait for and ignore it)."""
         m = self.mappings.get((engine_id, rank))
-        if m is not None and m.device != "cpu":
+        if isinstance(m, RankMapping) and m.device != "cpu":
             self._events[(engine_id, rank)] = (step, handle)
 
     # -- parts ------------------------------------------------------------------------------------
@@ -185,10 +192,11 @@ class HostCopyEngine(CopyEngine):
             p.cancelled = True
 
     def busy(self, op_id: OpId) -> bool:
-        """A part of the op is queued or copying: it may still touch the engine's blocks."""
-        return op_id in self._live
+        """A part of the op is queued or copying: it may still touch the engine's blocks (an
+        engine-copy part never does: its worker copies)."""
+        return any(not p.phase for p in self._live.get(op_id, ()))
 
-    def _start(self, plan: Part, mapping: RankMapping, layout: KvLayout) -> None:
+    def _start(self, plan: Part, mapping: RankMapping | EngineCopyRank, layout: KvLayout) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         if self._closing:
@@ -198,8 +206,13 @@ class HostCopyEngine(CopyEngine):
             self.on_done([PartDone(plan.op_id, plan.rank, list(plan.failed), plan.message)])
             return
         part = _Part(plan, mapping, layout, plan.work, self._forward_event(plan), failed=list(plan.failed), message=plan.message)
+        if isinstance(mapping, EngineCopyRank):
+            part.phase = "verify" if plan.kind is OpKind.LOAD else "prepare"
         self._live.setdefault(plan.op_id, []).append(part)
-        queue, kind = (self._loads, "load") if plan.kind is OpKind.LOAD else (self._stores, "store")
+        self._queue(part)
+
+    def _queue(self, part: _Part) -> None:
+        queue, kind = (self._loads, "load") if part.plan.kind is OpKind.LOAD else (self._stores, "store")
         with self._cond:
             queue.append(part)
             started = sum(t.name.startswith(f"kvdepot-{kind}_") for t in self._workers)
@@ -248,6 +261,9 @@ class HostCopyEngine(CopyEngine):
                 log.exception("copy of op %d failed", part.plan.op_id)
                 failed, corrupt, message = [w[0] for w in batch], [], f"copy failed: {e}"
             assert self._loop is not None
+            if part.phase == "verify":  # its copy is ordered now, before the part's last batch is checked
+                bad = {*failed, *corrupt}
+                self._loop.call_soon_threadsafe(self._engine_batch, part, tuple(w for w in batch if w[0] not in bad))
             with self._cond:
                 part.failed += failed
                 part.corrupt += corrupt
@@ -255,9 +271,12 @@ class HostCopyEngine(CopyEngine):
                 part.running -= 1
                 if part.running or part.taken < len(part.work):
                     continue
+                if part.phase:  # an engine-copy part's pass: what comes next is the event loop's
+                    self._loop.call_soon_threadsafe(self._engine_next, part)
+                    continue
                 rung = part.checking  # a late-checked load in its check pass rang when its copy pass ended
                 late = part.plan.check_late and not part.checking
-                check_next = late and part.mapping.packed is None  # copied: the engine may go on; now check
+                check_next = late and getattr(part.mapping, "packed", None) is None  # copied: the engine may go on; now check
                 if check_next:
                     part.checking, part.taken = True, 0
                     self._loads.append(part)
@@ -299,7 +318,10 @@ class HostCopyEngine(CopyEngine):
         """Copies (and checks) `work` of a part. A late-checked load runs in two passes over its
         blocks, one that only copies (`part.checking` False), then one that only checks, unless
         the native copy checks it on the way."""
+        if part.phase:
+            return engine_pass(part, work, first, self.arenas.of(part.plan.layout_class), self.faults, self.clock_ms)
         plan, m, rank = part.plan, part.mapping, part.plan.rank
+        assert isinstance(m, RankMapping)
         if part.event is not None and m.device != "cpu":  # the forward may still be running on the GPU
             self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), part.event))
         store = plan.kind is OpKind.STORE
@@ -311,7 +333,7 @@ class HostCopyEngine(CopyEngine):
         rank_bytes = part.layout.rank_block_bytes
         rank_off = rank * rank_bytes
         cls = plan.layout_class
-        arena, faults = self.arena, self.faults
+        arena, faults = self.arenas.of(cls), self.faults
         if first and copy and (delay := faults.store_delay_ms if store else faults.load_delay_ms):  # once per op, in its first batch
             end = time.monotonic() + delay / 1000
             while not part.cancelled and time.monotonic() < end:  # a slow copy that still stops when its op ends
@@ -362,23 +384,23 @@ class HostCopyEngine(CopyEngine):
         """One block between the engine's tensors and the host arena, either way; with `want_hash`,
         the xxh3 of its bytes."""
         if m.packed is not None:
-            return blockcopy.copy_block(m.packed, bid, self.arena.base + hoff, to_host, want_hash)
+            return blockcopy.copy_block(m.packed, bid, self.arenas.main.base + hoff, to_host, want_hash)
         if m.device != "cpu":
             self._device_copy(m, bid, hoff, to_host)
         elif m.uniform is not None:  # one strided copy (torch releases the GIL and vectorizes)
-            host, dev = self.arena.tensor.narrow(0, hoff, nbytes).view(m.uniform[4], m.uniform[3]), m.block_view(bid)
+            host, dev = self.arenas.main.tensor.narrow(0, hoff, nbytes).view(m.uniform[4], m.uniform[3]), m.block_view(bid)
             (host.copy_(dev) if to_host else dev.copy_(host))
         else:
-            base = self.arena.base + hoff
+            base = self.arenas.main.base + hoff
             for r in m.runs:
                 h, e = base + r.host_offset, r.address + bid * r.block_stride
                 (_memmove(h, e, r.nbytes) if to_host else _memmove(e, h, r.nbytes))
-        return _xxh3_at(self.arena.base + hoff, nbytes) if want_hash else None
+        return _xxh3_at(self.arenas.main.base + hoff, nbytes) if want_hash else None
 
     def _device_copy(self, m: RankMapping, bid: int, hoff: int, to_host: bool) -> None:
         """One block between a CUDA KV cache and the (pinned) host arena, on the rank's stream."""
         stream = self._stream(m)
-        host = self.arena.tensor
+        host = self.arenas.main.tensor
         with torch.cuda.stream(stream):
             for r in m.runs:
                 dev = m.storage_bytes[r.storage].narrow(0, r.storage_offset + bid * r.block_stride, r.nbytes)

@@ -31,6 +31,7 @@ from kvdepot.layout import KvLayout, TensorMeta, block_regions
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
 from kvdepotd.storage.host_arena import PIECE, populate_write
 from kvdepotd.transfer import blockcopy
+from kvdepotd.transfer.cuda_import import CudaDriverStorage, open_storage
 
 SHM_DIR = "/dev/shm"
 MAX_TENSORS = 4096
@@ -78,7 +79,7 @@ class RankSpec:
 
     rank: int
     num_blocks: int
-    storages: list[ShmStorage | CudaStorage | None]  # None: a storage without a handle
+    storages: list[ShmStorage | CudaStorage | CudaDriverStorage | None]  # None: a storage without a handle
     tensors: list[TensorSpec]
 
 
@@ -202,6 +203,17 @@ def _map_range(fd: int, h: ShmStorage, max_bytes: int, what: str, keep: bool) ->
     return _Opened(storage, storage.data_ptr() + h.offset - lo, io.FileIO(fd, "r+", closefd=True) if keep else None, h.offset + h.size)
 
 
+def _open_cuda_driver(h: CudaDriverStorage, fds: Mapping[str, int]) -> _Opened:
+    storage = open_storage(h, fds).untyped_storage()  # keeps the mapping alive
+    return _Opened(storage, storage.data_ptr(), None, 0)
+
+
+def _open(s: ShmStorage | CudaStorage | CudaDriverStorage, fds: Mapping[str, int], max_bytes: int) -> _Opened:
+    if isinstance(s, ShmStorage):
+        return _open_cpu_shm(s, fds, max_bytes)
+    return _open_cuda_ipc(s) if isinstance(s, CudaStorage) else _open_cuda_driver(s, fds)
+
+
 def _open_cuda_ipc(h: CudaStorage) -> _Opened:
     if not torch.cuda.is_available():
         raise FailedPrecondition("this daemon has no CUDA device: it cannot map cuda_ipc handles")
@@ -238,8 +250,8 @@ def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, 
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     kinds = {type(s) for s in req.storages}
-    if type(None) in kinds or len(kinds) != 1:
-        raise InvalidRequest("every storage needs a handle, and all of one kind (cpu_shm or cuda_ipc)")
+    if type(None) in kinds or (ShmStorage in kinds and len(kinds) != 1):
+        raise InvalidRequest("every storage needs a handle, and all in host memory (cpu_shm) or all on a GPU (cuda_ipc, cuda_driver)")
     sizes = [s.size for s in req.storages if s is not None]
     if isinstance(req.storages[0], ShmStorage) and sum(sizes) > max_bytes:
         raise InvalidRequest(f"the rank registers {sum(sizes) / 2**30:.2f} GiB, over the {max_bytes / 2**30:.2f} GiB one rank may (max_rank_gib)")
@@ -252,7 +264,7 @@ def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, 
     opened: list[_Opened] = []
     try:
         for s in req.storages:
-            opened.append(_open_cpu_shm(s, fds, max_bytes) if isinstance(s, ShmStorage) else _open_cuda_ipc(s))  # type: ignore[arg-type]
+            opened.append(_open(s, fds, max_bytes))  # type: ignore[arg-type]
     except BaseException:
         for o in opened:
             if o.file is not None:
@@ -267,7 +279,7 @@ def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, 
         runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - o.storage.data_ptr()))
         host_off += r.length * esize
     first = req.storages[0]
-    device = f"cuda:{first.device}" if isinstance(first, CudaStorage) else "cpu"
+    device = "cpu" if isinstance(first, ShmStorage) else f"cuda:{first.device}"  # type: ignore[union-attr]
     storage_bytes = [
         torch.empty(0, dtype=torch.uint8, device=device).set_(o.storage, 0, (o.storage.nbytes(),))  # type: ignore[call-overload]
         for o in opened

@@ -30,7 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvdepotd.core.remote import RemoteJob, RemoteJobKind
 from kvdepotd.storage.checksum import xxh3_at
-from kvdepotd.storage.host_arena import HostArena
+from kvdepotd.core.disk import public_class
+from kvdepotd.storage.host_arena import Arenas
 from kvdepotd.storage.remote import RemoteStore, block_key, check_header, header_bytes, pack_header
 
 log = logging.getLogger("kvdepotd")
@@ -94,14 +95,14 @@ class RemoteCopyEngine:
     def __init__(
         self,
         on_done: DoneFn,
-        arena: HostArena,
+        arenas: Arenas,
         store: RemoteStore,
         threads: int = 2,
         observe: Callable[[str, int, float], None] | None = None,
         note: Callable[[str, int], None] | None = None,
     ) -> None:
         self.on_done = on_done
-        self.arena = arena
+        self.arenas = arenas
         self.store = store
         self.observe = observe or (lambda kind, nbytes, seconds: None)
         self.note = note or (lambda what, n: None)  # failures by kind: timeout, error, missing, corrupt
@@ -137,7 +138,7 @@ class RemoteCopyEngine:
 
     def _keys(self, job: RemoteJob) -> list[bytes]:
         prefix = self.store.settings.prefix
-        return [block_key(prefix, it.owner, job.layout_class, it.hash) for it in job.items]
+        return [block_key(prefix, it.owner, public_class(job.layout_class), it.hash) for it in job.items]
 
     def _failures(self, results: Sequence[object]) -> None:
         errors = [r for r in results if isinstance(r, Exception)]
@@ -158,18 +159,18 @@ class RemoteCopyEngine:
         self._failures(held)
         present: set[int] = {it.hash for it, h in zip(job.items, held) if h is True}
         failed: set[int] = {it.hash for it, h in zip(job.items, held) if isinstance(h, Exception)}
-        arena, cls, ws, nbytes = self.arena, job.layout_class, job.world_size, job.block_bytes
+        arena, cls, pub, ws, nbytes = self.arenas.of(job.layout_class), job.layout_class, public_class(job.layout_class), job.world_size, job.block_bytes
         rank_bytes = nbytes // ws
         items = [(it, key) for it, key in zip(job.items, keys) if it.hash not in present and it.hash not in failed]
         scratch = self._scratch()
-        views, addrs = scratch.views([header_bytes(ws, it.owner, cls) + nbytes for it, _ in items])
+        views, addrs = scratch.views([header_bytes(ws, it.owner, pub) + nbytes for it, _ in items])
         todo: list[tuple[bytes, memoryview]] = []
         hashes = []
         for (it, key), view, dst in zip(items, views, addrs):
             addr = arena.base + it.host_offset
             sums = [arena.checksums.get((cls, it.host_cell, r)) for r in range(ws)]
             sums2 = [s if s is not None else int(xxh3_at(addr + r * rank_bytes, rank_bytes)) for r, s in enumerate(sums)]
-            head = pack_header(ws, nbytes, it.hash, it.parent, it.owner, cls, sums2)
+            head = pack_header(ws, nbytes, it.hash, it.parent, it.owner, pub, sums2)
             view[: len(head)] = head
             ctypes.memmove(dst + len(head), addr, nbytes)
             todo.append((key, view))
@@ -193,7 +194,7 @@ class RemoteCopyEngine:
     def _read(self, job: RemoteJob) -> Result:
         t0 = time.perf_counter()
         keys = self._keys(job)
-        arena, cls, ws, nbytes = self.arena, job.layout_class, job.world_size, job.block_bytes
+        arena, cls, pub, ws, nbytes = self.arenas.of(job.layout_class), job.layout_class, public_class(job.layout_class), job.world_size, job.block_bytes
         if not arena.ensure(max(it.host_offset for it in job.items) + nbytes):
             return {it.hash for it in job.items}, set(), set(), arena.error
         values = self._get(job, keys)
@@ -213,7 +214,7 @@ class RemoteCopyEngine:
                     reasons.append(f"remote store: {value}")
                 continue
             try:
-                length, sums = check_header(value, ws, nbytes, it.hash, it.parent, it.owner, cls)
+                length, sums = check_header(value, ws, nbytes, it.hash, it.parent, it.owner, pub)
             except ValueError as e:
                 corrupt.add(it.hash)
                 bad_keys.append(key)
@@ -249,7 +250,7 @@ class RemoteCopyEngine:
         down fails only its own keys)."""
         if Scratch.usable():
             scratch = self._scratch()
-            sizes = [header_bytes(job.world_size, it.owner, job.layout_class) + job.block_bytes for it in job.items]
+            sizes = [header_bytes(job.world_size, it.owner, public_class(job.layout_class)) + job.block_bytes for it in job.items]
             views, _ = scratch.views(sizes)
             try:
                 got = self.store.get_into(keys, views)
@@ -274,7 +275,7 @@ class RemoteCopyEngine:
             if left <= 0:
                 self.note("lookup_timeout", 1)
                 return found
-            batch = [block_key(prefix, namespace, layout_class, h) for h in hashes[found : found + n]]
+            batch = [block_key(prefix, namespace, public_class(layout_class), h) for h in hashes[found : found + n]]
             try:
                 got = self.store.exists(batch, timeout_ms=left)
             except Exception as e:

@@ -1,0 +1,100 @@
+"""GPU memory from any allocator, exported through the CUDA driver API (cuda-bindings).
+
+torch's storage sharing (UntypedStorage._share_cuda_()) looks the allocation up in torch's own
+caching allocator, so it throws for memory another allocator owns: TensorRT-LLM's KV pool is
+cudaMalloc'd by its own buffer manager (and virtual memory, cuMemCreate + cuMemMap, under its
+sleep mode). The driver knows every allocation:
+
+    export_storage(storage) -> (pb.CudaDriverHandle, [descriptors])
+        a legacy IPC handle of the allocation holding the storage, with the storage's offset in
+        it (cudaMalloc, torch's caching allocator without expandable segments); or, for virtual
+        memory, one POSIX file descriptor per physical allocation mapped over the storage
+        (cuMemRetainAllocationHandle + cuMemExportToShareableHandle: the allocation must have been
+        made exportable as a descriptor), which go over the handoff socket. Raises Unshareable
+        saying why (a stream-ordered pool made without export, virtual memory without descriptor
+        export, no cuda-bindings): the worker then copies its blocks itself (kvdepot.engine_copy).
+
+kvdepotd.transfer.cuda_import opens them on the daemon's side. Imported only where a CUDA pool is
+registered; `pip install cuda-bindings` (the release that matches the CUDA driver).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from kvdepot.v1 import kvdepot_pb2 as pb
+
+
+class Unshareable(Exception):
+    """Memory the daemon cannot map; the message says why."""
+
+
+def driver() -> Any:
+    """The CUDA driver bindings: cuda-bindings (cuda.bindings.driver), or cuda-python's older name."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        try:
+            from cuda import cuda as cu  # cuda-python before 12.6
+        except ImportError:
+            raise Unshareable("the CUDA driver API is not installed (pip install cuda-bindings)") from None
+    return cu
+
+
+def check(result: Any, what: str) -> Any:
+    """The value of a cuda-bindings call's (error, value...) tuple; Unshareable on an error."""
+    cu = driver()
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = cu.cuGetErrorName(err)[1] if hasattr(cu, "cuGetErrorName") else err
+        raise Unshareable(f"{what}: {name}")
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def _attr(cu: Any, name: str, ptr: int) -> Any:
+    return check(cu.cuPointerGetAttribute(getattr(cu.CUpointer_attribute, name), ptr), f"cuPointerGetAttribute({name})")
+
+
+def export_storage(storage: torch.UntypedStorage, may_hand_over: bool) -> tuple[pb.CudaDriverHandle, list[int]]:
+    """`may_hand_over`: descriptors can reach the daemon (it listens at unix:PATH)."""
+    cu = driver()
+    device = storage.device.index or 0
+    with torch.cuda.device(device):  # the device's primary context current on this thread (torch's runtime made it)
+        return _export(cu, device, storage.data_ptr(), storage.nbytes(), may_hand_over)
+
+
+def _export(cu: Any, device: int, ptr: int, size: int, may_hand_over: bool) -> tuple[pb.CudaDriverHandle, list[int]]:
+    if int(_attr(cu, "CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE", ptr)):
+        base = int(_attr(cu, "CU_POINTER_ATTRIBUTE_RANGE_START_ADDR", ptr))
+        handle = check(cu.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
+        return pb.CudaDriverHandle(device=device, size=size, offset=ptr - base, ipc_handle=bytes(handle.reserved)), []
+    if not int(_attr(cu, "CU_POINTER_ATTRIBUTE_MAPPING_SIZE", ptr) or 0):
+        raise Unshareable("the memory is neither a legacy IPC allocation nor virtual memory (a stream-ordered pool made without export?)")
+    posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if not int(_attr(cu, "CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES", ptr)) & int(posix_fd):
+        raise Unshareable("its virtual memory was not made exportable as a file descriptor (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)")
+    if not may_hand_over:
+        raise Unshareable("virtual memory goes over the handoff socket: reach the daemon at a unix: address")
+    first = int(_attr(cu, "CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR", ptr))
+    chunks: list[pb.CudaDriverHandle.Chunk] = []
+    fds: list[int] = []
+    addr = first
+    try:
+        while addr < ptr + size:  # one physical allocation per mapping, in address order
+            mbase, msize = int(_attr(cu, "CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR", addr)), int(_attr(cu, "CU_POINTER_ATTRIBUTE_MAPPING_SIZE", addr))
+            handle = check(cu.cuMemRetainAllocationHandle(addr), "cuMemRetainAllocationHandle")
+            try:
+                fd = int(check(cu.cuMemExportToShareableHandle(handle, posix_fd, 0), "cuMemExportToShareableHandle"))
+            finally:
+                check(cu.cuMemRelease(handle), "cuMemRelease")
+            fds.append(fd)
+            chunks.append(pb.CudaDriverHandle.Chunk(offset=mbase - first, size=msize))
+            addr = mbase + msize
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return pb.CudaDriverHandle(device=device, size=size, offset=ptr - first, chunks=chunks, mapped_size=addr - first), fds
