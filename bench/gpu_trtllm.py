@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvdepot.cuda_export import primary_context
 from kvdepot.layout import KvLayout
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.trtllm import KvCacheConfig, TorchLlmArgs
@@ -65,23 +66,30 @@ def _ok(res: Any) -> Any:
     return rest[0] if len(rest) == 1 else rest
 
 
-def alloc_cudamalloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    from cuda.bindings import runtime as rt
-
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     n = dtype.itemsize
     for d in shape:
         n *= d
-    return _wrap(int(_ok(rt.cudaMalloc(n))), shape, dtype)  # freed at exit: a bench
+    return n
+
+
+def alloc_cudamalloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """cudaMalloc's kind of memory (the driver's cuMemAlloc: the runtime calls the same), as
+    TensorRT-LLM's buffer manager allocates its pool."""
+    from cuda.bindings import driver as cu
+
+    primary_context(torch.cuda.current_device())
+    return _wrap(int(_ok(cu.cuMemAlloc(_nbytes(shape, dtype)))), shape, dtype)  # freed at exit: a bench
 
 
 def alloc_async_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    from cuda.bindings import runtime as rt
+    """The device's default stream-ordered pool (cudaMallocAsync)."""
+    from cuda.bindings import driver as cu
 
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    ptr = int(_ok(rt.cudaMallocAsync(n, 0)))
-    _ok(rt.cudaStreamSynchronize(0))
+    primary_context(torch.cuda.current_device())
+    stream = torch.cuda.current_stream()
+    ptr = int(_ok(cu.cuMemAllocAsync(_nbytes(shape, dtype), stream.cuda_stream)))
+    stream.synchronize()
     return _wrap(ptr, shape, dtype)
 
 
@@ -90,16 +98,14 @@ def alloc_vmm(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     from cuda.bindings import driver as cu
 
     dev = torch.cuda.current_device()
+    primary_context(dev)
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = dev
     prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     gran = int(_ok(cu.cuMemGetAllocationGranularity(prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    half = -(-(n + 1) // 2 // gran) * gran
+    half = -(-(_nbytes(shape, dtype) + 1) // 2 // gran) * gran
     base = int(_ok(cu.cuMemAddressReserve(2 * half, 0, 0, 0)))
     for k in range(2):
         handle = _ok(cu.cuMemCreate(half, prop, 0))

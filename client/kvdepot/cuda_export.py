@@ -20,12 +20,18 @@ registered; `pip install cuda-bindings` (the release that matches the CUDA drive
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
 from typing import Any
 
 import torch
 
 from kvdepot.v1 import kvdepot_pb2 as pb
+
+
+IPC_HANDLE_BYTES = 64
+MAX_CHUNKS = 250  # descriptors one handoff carries
 
 
 class Unshareable(Exception):
@@ -44,14 +50,44 @@ def driver() -> Any:
     return cu
 
 
-def check(result: Any, what: str) -> Any:
-    """The value of a cuda-bindings call's (error, value...) tuple; Unshareable on an error."""
+def check(result: Any, what: str, error: type[Exception] = Unshareable) -> Any:
+    """The value of a cuda-bindings call's (error, value...) tuple; `error` on an error."""
     cu = driver()
     err, *rest = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
-        name = cu.cuGetErrorName(err)[1] if hasattr(cu, "cuGetErrorName") else err
-        raise Unshareable(f"{what}: {name}")
+        name = cu.cuGetErrorName(err)[1]
+        raise error(f"{what}: {name.decode() if isinstance(name, bytes) else name}")
     return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+_contexts: dict[int, Any] = {}
+_contexts_lock = threading.Lock()
+
+
+def primary_context(device: int, error: type[Exception] = Unshareable) -> None:
+    """Makes the device's primary context (the one torch's runtime uses) current on this thread:
+    torch makes it current only when it needs it, and driver calls need one (a thread of a pool
+    may have none)."""
+    cu = driver()
+    with _contexts_lock:
+        ctx = _contexts.get(device)
+        if ctx is None:
+            check(cu.cuInit(0), "cuInit", error)
+            dev = check(cu.cuDeviceGet(device), "cuDeviceGet", error)
+            ctx = _contexts[device] = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain", error)
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent", error)
+
+
+def ipc_bytes(handle: Any) -> bytes:
+    """A CUipcMemHandle's 64 bytes (cuda-bindings 13.4 and later expose no `reserved` field)."""
+    return ctypes.string_at(int(handle.getPtr()), IPC_HANDLE_BYTES)
+
+
+def ipc_handle(data: bytes) -> Any:
+    cu = driver()
+    handle = cu.CUipcMemHandle()
+    ctypes.memmove(int(handle.getPtr()), data, IPC_HANDLE_BYTES)
+    return handle
 
 
 def _attr(cu: Any, name: str, ptr: int) -> Any:
@@ -62,15 +98,17 @@ def export_storage(storage: torch.UntypedStorage, may_hand_over: bool) -> tuple[
     """`may_hand_over`: descriptors can reach the daemon (it listens at unix:PATH)."""
     cu = driver()
     device = storage.device.index or 0
-    with torch.cuda.device(device):  # the device's primary context current on this thread (torch's runtime made it)
-        return _export(cu, device, storage.data_ptr(), storage.nbytes(), may_hand_over)
+    primary_context(device)
+    return _export(cu, device, storage.data_ptr(), storage.nbytes(), may_hand_over)
 
 
 def _export(cu: Any, device: int, ptr: int, size: int, may_hand_over: bool) -> tuple[pb.CudaDriverHandle, list[int]]:
+    if int(_attr(cu, "CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE", ptr) or 0):
+        raise Unshareable("the memory is a stream-ordered pool's (cudaMallocAsync): kvdepot exports no pools")
     if int(_attr(cu, "CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE", ptr)):
         base = int(_attr(cu, "CU_POINTER_ATTRIBUTE_RANGE_START_ADDR", ptr))
         handle = check(cu.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
-        return pb.CudaDriverHandle(device=device, size=size, offset=ptr - base, ipc_handle=bytes(handle.reserved)), []
+        return pb.CudaDriverHandle(device=device, size=size, offset=ptr - base, ipc_handle=ipc_bytes(handle)), []
     if not int(_attr(cu, "CU_POINTER_ATTRIBUTE_MAPPING_SIZE", ptr) or 0):
         raise Unshareable("the memory is neither a legacy IPC allocation nor virtual memory (a stream-ordered pool made without export?)")
     posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -93,6 +131,8 @@ def _export(cu: Any, device: int, ptr: int, size: int, may_hand_over: bool) -> t
             fds.append(fd)
             chunks.append(pb.CudaDriverHandle.Chunk(offset=mbase - first, size=msize))
             addr = mbase + msize
+            if len(fds) > MAX_CHUNKS:
+                raise Unshareable(f"its virtual memory is more than {MAX_CHUNKS} physical allocations (one handoff at most)")
     except BaseException:
         for fd in fds:
             os.close(fd)

@@ -104,6 +104,8 @@ class EngineCopier:
 
     # -- the copy thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self.device)  # this thread's copies and pins are the rank's device's, not device 0's
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
@@ -118,14 +120,12 @@ class EngineCopier:
             except Exception as e:  # a bug or a device error: the blocks fail (the engine recomputes), the worker goes on
                 log.exception("kvdepot: engine-side copy of op %d failed", order.op_id)
                 failed, message = list(order.indices), f"engine-side copy failed: {e}"
-            try:
-                self.report(order.op_id, failed, message)
-            finally:
-                with self._cond:
-                    self._pending[order.op_id] -= 1
-                    if self._pending[order.op_id] <= 0:
-                        del self._pending[order.op_id]
-                    self._cond.notify_all()
+            with self._cond:  # done before the report: the op's end may come back at once
+                self._pending[order.op_id] -= 1
+                if self._pending[order.op_id] <= 0:
+                    del self._pending[order.op_id]
+                self._cond.notify_all()
+            self.report(order.op_id, failed, message)
 
     def _events_after(self, step: int) -> Any:
         return next((e for s, e in self._events.items() if s >= step), None)
@@ -173,7 +173,7 @@ class EngineCopier:
                 continue
             lo = chunk * PIN_CHUNK
             n = min(PIN_CHUNK, host.numel() - lo)
-            if int(torch.cuda.cudart().cudaHostRegister(host.data_ptr() + lo, n, 0)) == 0:
+            if int(torch.cuda.cudart().cudaHostRegister(host.data_ptr() + lo, n, 1)) == 0:  # 1: cudaHostRegisterPortable
                 self._pinned.add(chunk)
 
     def _unpin(self) -> None:

@@ -303,6 +303,7 @@ class Runtime:
         old = self.channels.get(key)
         if old is not None:
             old.close(f"rank {key[1]} attached again on another stream", grpc.StatusCode.CANCELLED)
+            self.copy.worker_gone(key[0], key[1])  # orders on the old stream may never be reported
         self.channels[key] = ch
         for queued in self.backlog.pop(key, ()):
             ch.queue.put_nowait(queued)

@@ -322,10 +322,13 @@ def test_finished_request_keeps_its_blocks_while_its_stores_run(make: Make) -> N
 
 
 @COPY
-def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_ended(monkeypatch: pytest.MonkeyPatch, make: Make, copy_mode: str) -> None:
-    """A request cancelled while its (slowed) load still copies: request_finished must keep its
-    blocks. Were they freed, the next request would get them, and the late load would overwrite
-    that request's KV. The pool holds one request, so the next one gets exactly these blocks."""
+@pytest.mark.parametrize("asks", [True, False])
+def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_ended(monkeypatch: pytest.MonkeyPatch, make: Make, copy_mode: str, asks: bool) -> None:
+    """A request cancelled while its (slowed) load still copies. Asked (request_finished), the
+    connector must keep its blocks; not asked (TensorRT-LLM's newest release keeps a request parked
+    for an async load until the load is reported), the connector must report the load only once it
+    ended. Were the blocks freed sooner, the next request would get them, and the late load would
+    overwrite that request's KV. The pool holds one request, so the next one gets exactly these."""
     monkeypatch.setenv("KVDEPOT_LOAD_ASYNC", "true")
     d = DaemonProcess(args=["--host-gib", "0.25", "--fault-load-delay-ms", "1500"]).start()
     try:
@@ -337,8 +340,9 @@ def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_end
         ex.step()  # admitted and parked: its load waits 1.5 s in the daemon before it copies
         assert b.state is LlmRequestState.DISAGG_GENERATION_TRANS_IN_PROGRESS and ex.matched[b.request_id] == (0, 96, True)
         t0 = time.monotonic()
-        ex.cancel(b)
-        assert b.state is LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS  # request_finished said True: blocks kept
+        ex.cancel(b, asks=asks)
+        if asks:
+            assert b.state is LlmRequestState.DISAGG_CONTEXT_TRANS_IN_PROGRESS  # request_finished said True: blocks kept
         c = ex.add(prompt(100, start=7000), 4)
         while c.request_id not in ex.bad_kv:  # c's context: it runs in b's blocks once they are free
             ex.step()
@@ -352,6 +356,49 @@ def test_a_request_cancelled_during_its_load_keeps_its_blocks_until_the_load_end
         assert ex.bad_kv[c.request_id] == [] and ex.bad_kv[a.request_id] == [] and b.request_id in ex.done
         counts = counters(ex)
         assert counts["load_blocks_planned"] == 6 and counts["load_failed_blocks"] == 0
+    finally:
+        d.stop()
+
+
+def test_a_live_request_sharing_its_prefix_blocks_is_not_taken_for_a_freed_one(make: Make) -> None:
+    """TensorRT-LLM gives a new request the blocks of a live one's prefix (block reuse): those are
+    shared, not freed, so the live request goes on being served and stored as usual."""
+    ex = make()
+    first = ex.add(prompt(64) + prompt(40, start=500), 30)
+    ex.step()  # its context: blocks 0-3 are full and reusable while it decodes
+    second = ex.add(prompt(64) + prompt(40, start=900), 4)
+    ex.run()
+    assert ex.matched[second.request_id][0] == 64  # the engine's own hit: first's blocks 0-3, shared
+    assert set(ex.tables.get(first.request_id, ())) == set() and first.request_id in ex.done
+    assert ex.bad_kv[first.request_id] == [] and ex.bad_kv[second.request_id] == []
+    # first: 8 full blocks over its 133 computed tokens; second: blocks 4 and 5 only (0-3 are first's)
+    assert not ex.scheduler.side.reused and counters(ex)["store_blocks_planned"] == 8 + 2
+
+
+@COPY
+def test_a_request_cancelled_as_tensorrt_llm_cancels_never_lets_its_stores_read_another_requests_kv(
+    monkeypatch: pytest.MonkeyPatch, make: Make, copy_mode: str
+) -> None:
+    """TensorRT-LLM frees a cancelled request's blocks without asking the connector, while the
+    stores its last forward planned may still be copying out of them (slowed here). The next
+    request gets those very blocks: its forward waits until those stores ended (else they would
+    store its KV under the cancelled prompt's hashes), and a fresh engine then loads the cancelled
+    prompt's blocks byte-exact."""
+    d = DaemonProcess(args=["--host-gib", "0.25", "--fault-store-delay-ms", "800"]).start()
+    try:
+        ex = make(address=d.unix if copy_mode == "engine" else d.tcp, copy_mode=copy_mode, num_blocks=7)
+        a = ex.add(prompt(100), 50)
+        while len(a.get_tokens(0)) < 101:  # its context ran: the stores of blocks 0-5 wait 800 ms to copy
+            ex.step()
+        ex.cancel(a, asks=False)
+        b = ex.add(prompt(100, start=7000), 4)
+        ex.run()
+        assert b.request_id in ex.done and ex.bad_kv[b.request_id] == []
+        fresh = make(address=d.unix if copy_mode == "engine" else d.tcp, copy_mode=copy_mode, model=ex.llm_args.model)
+        c = fresh.add(prompt(100))
+        fresh.run()
+        assert fresh.matched[c.request_id] == (0, 96, False)
+        assert fresh.bad_kv[c.request_id] == []  # what was stored under a's prompt is a's KV
     finally:
         d.stop()
 

@@ -88,7 +88,14 @@ def close_at_exit(side: Any) -> None:
     """side.close() when the process exits: TensorRT-LLM calls no shutdown hook, and a daemon that
     heard nothing would hold the engine's slots and pins until its lease ran out. (Held strongly:
     the engine may have dropped its connector objects by then; close() is idempotent.)"""
-    atexit.register(side.close)
+    atexit.register(_close_quietly, side)
+
+
+def _close_quietly(side: Any) -> None:
+    try:
+        side.close()
+    except Exception as e:  # the process is exiting: a failed goodbye costs the daemon a lease, nothing more
+        logging.getLogger("kvdepot").debug("kvdepot: closing at exit: %s", e)
 
 
 def disconnect(client: DepotClient | None) -> None:
@@ -298,7 +305,7 @@ class WorkerSide:
         ok: set[int] = set()
         for op_id, blocks in job.ops.items():
             self.copied.discard(op_id)
-            ev = self.done.pop(op_id, None)
+            ev = self.done.get(op_id)  # kept (in the window): a wait on the op later knows it ended
             if ev is not None:
                 ok.update(set(blocks) - set(ev.failed_block_ids))
         failed = [b for b in job.targets if b not in ok]

@@ -204,7 +204,9 @@ class LlmRequest:
         self.multimodal_positions: list[int] | None = None
         self.multimodal_lengths: list[int] | None = None
         self.prompt_embedding_table: torch.Tensor | None = None
-        self.py_num_connector_matched_tokens: int | None = None  # the Python subclass's, newer releases: what the cache manager took
+        # The Python subclass's, newer releases; KVCacheManagerV2 sets what it took, and the older
+        # cache manager sets it on the C++ binding's object only: here it stays 0, as it does there.
+        self.py_num_connector_matched_tokens = 0
         self.state = LlmRequestState.CONTEXT_INIT
         self.context_current_position = 0
         self.context_chunk_size = len(prompt)

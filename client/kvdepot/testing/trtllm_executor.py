@@ -7,7 +7,8 @@ without TensorRT-LLM. It drives the connector exactly as TensorRT-LLM does
       the scheduler on rank 0 only, both built from the LLM arguments; register_kv_caches(pool)
       on every rank once the pool exists, then wait_for_initialization() on rank 0;
     * admission (the KV cache manager's addSequence): the engine's own prefix hit L (whole
-      blocks, at most n-1 tokens, block reuse), get_num_new_matched_tokens(request, L) -> (E,
+      blocks, at most n-1 tokens, block reuse, of finished requests and of running ones whose
+      context phase ended), get_num_new_matched_tokens(request, L) -> (E,
       async) ((0, True) raises), blocks for the whole prompt, context_current_position = L + E,
       update_state_after_alloc(request, block_ids); an async request is parked
       (DISAGG_GENERATION_TRANS_IN_PROGRESS) until get_finished returns it on every rank;
@@ -23,10 +24,12 @@ without TensorRT-LLM. It drives the connector exactly as TensorRT-LLM does
       in raises, as TensorRT-LLM's own bookkeeping does;
     * preempt(): a request's allocation dies and it runs again from the start (TensorRT-LLM's
       request replay): its blocks are freed and poisoned, its deltas dropped;
-    * cancel(): the user cancels a request; it finishes (CANCELLED) and request_finished decides
-      whether its blocks are freed now (False) or once every rank returned it as saved (True),
-      as in the releases before TensorRT-LLM's newest (which also keeps a request whose async load
-      is pending), so a connector that answers False while its load still writes is caught;
+    * cancel(): the user cancels a request. As TensorRT-LLM's releases do it (asks=False): the
+      connector is not asked; a running request's blocks are freed at once, one parked for an async
+      load is kept until every rank returned it loaded (the newest release's
+      has_pending_transfers). Or (asks=True) request_finished decides whether its blocks are freed
+      now (False) or once every rank returned it as saved (True), which catches a connector that
+      answers False while its load still writes;
     * admission waits while the pool has too few free blocks for a request (GUARANTEED_NO_EVICT);
     * `honour`: the KV cache manager takes less of an offer than the connector made
       (KVCacheManagerV2's commit_new_matched_tokens) and computes the rest.
@@ -125,6 +128,14 @@ class _Blocks:
                 break
             out.append(block)
         return out
+
+    def publish(self, table: list[int], tokens: list[int], computed: int) -> None:
+        """A context's full computed blocks become reusable by other requests while it runs on
+        (TensorRT-LLM stores a context's blocks for reuse as its context phase ends)."""
+        for i, b in enumerate(table[: computed // self.bs]):
+            key = tuple(tokens[: (i + 1) * self.bs])
+            if key not in self.in_use and key not in self.reusable and b not in self.key_of:
+                self.in_use[key], self.key_of[b] = b, key
 
     def can_take(self, hit: list[int], n: int) -> bool:
         return len(self.free) + len(self.reusable) - sum(1 for b in hit if self.key_of.get(b) in self.reusable) >= n
@@ -229,6 +240,7 @@ class StandInExecutor:
         self.matched: dict[int, tuple[int, int, bool]] = {}  # request -> (L, E, async) at its last admission
         self.parked: dict[int, int] = {}  # request -> iterations it spent left out of the batch, loading
         self.cancelled: set[int] = set()
+        self.dropped_when_loaded: set[int] = set()  # cancelled while parked: freed once its load is reported
         self.iterations = 0
         self._next_id = 1
 
@@ -250,14 +262,20 @@ class StandInExecutor:
         req.context_current_position, req.state = 0, LlmRequestState.CONTEXT_INIT
         self.waiting.appendleft(req)
 
-    def cancel(self, req: LlmRequest) -> None:
-        """The user cancelled `req`: finished now; request_finished(req, blocks) says whether its
-        blocks stay (True: until every rank returned it as saved) or are free for the next request
-        at once (False)."""
+    def cancel(self, req: LlmRequest, asks: bool = True) -> None:
+        """The user cancelled `req`: finished now. `asks`: request_finished(req, blocks) says whether
+        its blocks stay (True: until every rank returned it as saved) or are free for the next
+        request at once (False); else (TensorRT-LLM's own way) nobody is asked."""
         if req in self.waiting:
             self.waiting.remove(req)
             return
         self.cancelled.add(req.request_id)
+        if not asks:
+            if req.state is PARKED:
+                self.dropped_when_loaded.add(req.request_id)
+            else:
+                self._terminate(req, reuse=False)
+            return
         req.state = LlmRequestState.GENERATION_COMPLETE
         if self.scheduler.request_finished(req, list(self.tables[req.request_id])):
             self.new_async.saving[req.request_id] = req
@@ -327,7 +345,6 @@ class StandInExecutor:
             if offered == 0 and is_async:
                 raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
             E = offered if self.honour is None else self.honour(offered)
-            req.py_num_connector_matched_tokens = E
             if is_async:  # even when less is honoured: the load was asked for
                 self.new_async.loading[req.request_id] = req
             self.output.external_loads[req.request_id] = E
@@ -362,6 +379,7 @@ class StandInExecutor:
             r.context_current_position += min(r.context_remaining_length, r.context_chunk_size)
             if r.context_remaining_length == 0:
                 self.bad_kv[r.request_id] = self.kv.mismatches(self.tables[r.request_id], r.get_tokens(0), r.prompt_len)
+                self.blocks.publish(self.tables[r.request_id], r.get_tokens(0), r.prompt_len)
                 r.state = LlmRequestState.GENERATION_IN_PROGRESS
                 r.add_new_token(next_token(r.get_tokens(0)), 0)
                 if len(r.get_tokens(0)) - r.py_orig_prompt_len >= r.max_new_tokens:
@@ -410,7 +428,10 @@ class StandInExecutor:
             req = self.local_done[0].loading[rid]
             for d in self.local_done:
                 del d.loading[rid]
-            if req.state is PARKED:  # not cancelled meanwhile
+            if rid in self.dropped_when_loaded:
+                self.dropped_when_loaded.discard(rid)
+                self._terminate(req, reuse=False)
+            elif req.state is PARKED:  # not cancelled meanwhile
                 req.state = LlmRequestState.CONTEXT_INIT
         for rid in all_saved:
             req = self.local_done[0].saving[rid]

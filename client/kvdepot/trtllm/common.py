@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,11 +12,13 @@ from typing import Any
 import torch
 
 from kvdepot.connector import config
+from kvdepot.trtllm import api
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.worker import LoadJob
 from kvdepot.handles import _DTYPES
 from kvdepot.layout import KvLayout
 
+log = logging.getLogger("kvdepot.trtllm")
 STYLE = "trtllm"  # the daemon reads computed_position as TensorRT-LLM means it (docs/protocol.md)
 
 
@@ -43,7 +46,20 @@ def settings(llm_args: Any) -> ConnectorConfig:
     cfg = config.from_env(os.environ, **defaults)
     if cfg.late_load_checks == "true":
         raise ValueError("kvdepot: late_load_checks cannot be on with TensorRT-LLM: it has no way to hear that a checked load failed")
-    return dataclasses.replace(cfg, late_load_checks="false")  # "auto" too
+    cfg = dataclasses.replace(cfg, late_load_checks="false")  # "auto" too
+    if cfg.load_async and not keeps_cancelled_loads():
+        log.warning(
+            "kvdepot: load_async is off: this TensorRT-LLM frees a request cancelled while it loads asynchronously without "
+            "waiting for the load, which would then write into another request's blocks (its newest releases wait)"
+        )
+        cfg = dataclasses.replace(cfg, load_async=False)
+    return cfg
+
+
+def keeps_cancelled_loads() -> bool:
+    """TensorRT-LLM keeps a request cancelled during an async load allocated until the load is
+    reported (its connector manager's has_pending_transfers; the stand-ins do too)."""
+    return hasattr(api.api.KvCacheConnectorManager, "has_pending_transfers") if api.real else True
 
 
 def model_of(llm_args: Any) -> str:

@@ -39,7 +39,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         return meta
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
-        return self.side.finished(request)
+        return self.side.finished(request, cache_block_ids)
 
     # KVCacheManagerV2 with several layer groups calls these instead: the worker refused such a cache
     # at registration, so the scheduler never connected and nothing reaches the daemon.
@@ -48,7 +48,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
             self.side.allocated(request, block_ids_by_layer_group[0])
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
-        return self.side.finished(request)
+        return self.side.finished(request, [b for ids in cache_block_ids_by_layer_group for b in ids])
 
     def wait_for_initialization(self) -> None:
         """Newer releases, once every rank registered its pool: the engine serves once the daemon

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdepot.client import DepotClient
+from kvdepot.common import Every
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.worker import STARTUP_WAIT_S, close_at_exit, connect, disconnect, load_jobs, send_step, wait_mapped
 from kvdepot.messages import StepBatch, StepResult, cached_update_needed
@@ -67,6 +68,10 @@ class SchedulerSide:
         self.to_preempt: list[str] = []
         self.to_forget: list[str] = []
         self.admissions: collections.deque[tuple[str, int, int, int]] = collections.deque(maxlen=1024)  # (rid, L, E, C) sent
+        self.block_owner: dict[int, str] = {}  # engine block -> the request it was last given to
+        self.prefix: dict[str, int] = {}  # request -> its own prefix hit L, from asking until its allocation
+        self.reused: dict[str, list[int]] = {}  # freed without request_finished -> its ops still running
+        self._vanish_log = Every(60.0)
         self._waiting_since = time.monotonic()
         instance.scheduler = self
         instance.set_key(self.key)
@@ -109,6 +114,7 @@ class SchedulerSide:
     # -- TensorRT-LLM's scheduler calls -------------------------------------------------------------
     def matched(self, request: Any, L: int) -> tuple[int, bool]:
         rid = str(request.request_id)
+        self.prefix[rid] = L
         st = self.reqs.get(rid)
         if st is not None and st.announced and st.epoch >= 0:
             st.restart = True  # asked again: its allocation died and it runs again from the start
@@ -130,18 +136,22 @@ class SchedulerSide:
 
     def allocated(self, request: Any, block_ids: list[int]) -> None:
         rid = str(request.request_id)
+        self._claim(rid, block_ids[self.prefix.pop(rid, 0) // self.bs :])  # whether the daemon hears of it or not
         guess = self.guess.pop(rid, None)
         if guess is None or self.client is None:
             return
         L, E, is_async, tokens = guess
-        # KVCacheManagerV2 may honour fewer tokens than offered (it allocates a chunk at a time) and
-        # computes the rest; it records what it took on the request. The last block it takes in
-        # part is loaded whole (the engine counts those positions as loaded) and then recomputed.
-        honoured = getattr(request, "py_num_connector_matched_tokens", None)
+        # KVCacheManagerV2 may take fewer tokens than offered (it allocates a chunk at a time) and
+        # computes the rest: the request's position says what it took (L + taken; TensorRT-LLM's
+        # own py_num_connector_matched_tokens stays 0 on the object the older cache manager passes
+        # here, whose C++ side took it all). The last block it takes in part is loaded whole (the
+        # engine counts those positions as loaded) and then recomputed.
+        pos = getattr(request, "context_current_position", L + E)
         short = 0
-        if isinstance(honoured, int) and 0 <= honoured < E:
-            short = -honoured % self.bs  # loaded positions the engine computes again
-            E = honoured + short
+        if isinstance(pos, int) and L <= pos < L + E:
+            taken = pos - L
+            short = -taken % self.bs  # loaded positions the engine computes again
+            E = taken + short
         st = self.reqs.get(rid)
         if st is None:
             st = self.reqs[rid] = ReqState(request)
@@ -163,6 +173,8 @@ class SchedulerSide:
         epoch = self.client.epoch
         if self.to_preempt:
             self._preempt(meta)
+        meta.preempted_ops.update(self.reused)  # the forward must not write blocks their ops still copy
+        self.reused = {}
         batch = StepBatch()
         batch.finished, self.to_finish = self.to_finish, []
         loads: list[ReqState] = []
@@ -185,6 +197,8 @@ class SchedulerSide:
             if st.E and not st.is_async and st.announced:
                 loads.append(st)
         for rd in so.cached_requests:
+            if rd.new_block_ids:
+                self._claim(str(rd.request_id), rd.new_block_ids)
             st = self.reqs.get(str(rd.request_id))
             if st is None:
                 continue
@@ -295,18 +309,56 @@ class SchedulerSide:
             request.context_current_position = at
         return True
 
-    def finished(self, request: Any) -> bool:
+    def _claim(self, rid: str, fresh: list[int]) -> None:
+        """Blocks newly given to `rid` (not its own prefix hit, which it may share with a live request).
+        One that another tracked request holds means TensorRT-LLM freed that one without asking
+        request_finished, as it does a cancelled request: its ops may still read or write the block."""
+        for b in fresh:
+            other = self.block_owner.get(b)
+            if other is not None and other != rid:
+                self._vanished(other, rid)
+            self.block_owner[b] = rid
+
+    def _vanished(self, rid: str, to: str = "") -> None:
+        """`rid` is gone without request_finished (cancelled): the daemon hears it finished, and the
+        workers let its live ops end before the next forward writes the blocks it had."""
+        st = self.reqs.pop(rid, None)
+        self.guess.pop(rid, None)
+        if st is None:
+            return
+        for b in st.table:
+            if self.block_owner.get(b) == rid:
+                del self.block_owner[b]
+        if self.client is None or st.epoch != self.client.epoch:
+            return
+        self.to_finish.append(rid)
+        now = time.time() * 1000
+        if live := [op for op, deadline in (*st.stores.items(), *st.loads.items()) if deadline + 1000 > now]:
+            self.reused[rid] = live
+        if self._vanish_log.due(rid):
+            log.info("kvdepot: request %s was freed without request_finished (cancelled?)%s: %d of its ops end before the next forward",
+                     rid, f"; its blocks went to request {to}" if to else "", len(live))
+
+    def finished(self, request: Any, cache_block_ids: list[int] | None = None) -> bool:
         """Whether TensorRT-LLM must keep the request's blocks until the workers report it saved: an
-        op of it may still read or write them: a store, or a load (a request cancelled while its
-        load runs; TensorRT-LLM frees the blocks on False, and the load would write into whatever
-        request gets them next). Every worker heard of every op of the request in the metadata, and
+        op of it may still read or write them: a store, or a load (a request that finished while
+        its load ran; TensorRT-LLM frees the blocks on False, and the load would write into
+        whatever request gets them next). Called with no blocks (they were freed already: a
+        cancel under the overlap scheduler), the request is handled as one freed unasked (_claim). Every worker heard of every op of the request in the metadata, and
         of each one's end on its stream: it returns the request once they ended, in this very step
         if they have (no further step is needed; an idle engine builds none). The daemon hears of
         the finish in the next Step and stops its loads then. A request whose Step went unanswered
         waits for the daemon's release instead."""
         rid = str(request.request_id)
+        if cache_block_ids is not None and not cache_block_ids and rid in self.reqs:
+            self._vanished(rid)  # asked after its blocks were freed (a cancel under the overlap scheduler): too late to keep them
+            return False
         self.guess.pop(rid, None)
         st = self.reqs.pop(rid, None)
+        if st is not None:
+            for b in st.table:
+                if self.block_owner.get(b) == rid:
+                    del self.block_owner[b]
         if st is None or self.client is None or st.epoch != self.client.epoch:
             return False
         self.to_finish.append(rid)

@@ -36,7 +36,8 @@ class TrtllmWorkerSide(WorkerSide):
     def register(self, pool: torch.Tensor | None, rank: int, why: str = "") -> None:
         """Shares the pool; rank 0 hands its layout to the scheduler in its process, which registers
         the engine; every rank joins it under the key the scheduler minted, which rank 0 broadcasts
-        here over TensorRT-LLM's own communicator (without MPI, the first step's metadata brings it).
+        here over TensorRT-LLM's own communicator (the steps' metadata carries it too, for a rank that
+        missed it).
         A rank whose pool cannot be shared never joins, and the daemon then offers this engine no
         hit and stores nothing of it; rank 0's: the scheduler never connects."""
         why = why or check_args(self.llm_args)
@@ -49,13 +50,21 @@ class TrtllmWorkerSide(WorkerSide):
         else:
             self.layout = layout
         shared = layout is not None and pool is not None and self.share([pool], ["kv_pool"], int(pool.shape[0]), rank)
-        if shared and rank == 0 and (scheduler := self.instance.scheduler) is not None:
-            self.instance.publish(layout, self.engine_copies)  # type: ignore[arg-type]
-            scheduler.ready()
+        if shared and rank == 0:
+            try:
+                if (scheduler := self.instance.scheduler) is not None:
+                    self.instance.publish(layout, self.engine_copies)  # type: ignore[arg-type]
+                    shared = scheduler.ready()
+            except Exception as e:  # nothing may keep rank 0 from the broadcast below: the other ranks wait in it
+                log.error("kvdepot: the scheduler could not register the engine (%s): the connector stays off", e)
+                shared = False
         # A collective: every rank calls it, whatever happened above.
         key = broadcast_from_rank0(self.instance.key if rank == 0 and shared else "")
         if shared and key:
-            self.join(key)
+            try:
+                self.join(key)
+            except Exception as e:
+                log.error("kvdepot: worker %d could not join the engine (%s): this engine gets no hits and stores nothing", rank, e)
 
     def bound(self, meta: object) -> None:
         self.fresh_meta = True

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvdepot.cuda_export import IPC_HANDLE_BYTES, Unshareable, check, driver, ipc_handle, primary_context
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
 
 
@@ -31,21 +32,13 @@ class CudaDriverStorage:
 
 def _driver() -> Any:
     try:
-        from cuda.bindings import driver as cu
-    except ImportError:
-        try:
-            from cuda import cuda as cu
-        except ImportError:
-            raise FailedPrecondition("this daemon cannot open CUDA driver handles: install cuda-bindings beside it") from None
-    return cu
+        return driver()
+    except Unshareable:
+        raise FailedPrecondition("this daemon cannot open CUDA driver handles: install cuda-bindings beside it") from None
 
 
 def _check(result: Any, what: str) -> Any:
-    cu = _driver()
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise InvalidRequest(f"cuda_driver handle does not open: {what}: {err}")
-    return rest[0] if len(rest) == 1 else tuple(rest)
+    return check(result, f"cuda_driver handle does not open: {what}", InvalidRequest)
 
 
 class _Mapped:
@@ -65,18 +58,29 @@ def open_storage(h: CudaDriverStorage, fds: Mapping[str, int]) -> torch.Tensor:
     if h.device >= torch.cuda.device_count():
         raise InvalidRequest(f"cuda_driver device {h.device} does not exist here ({torch.cuda.device_count()} devices)")
     cu = _driver()
-    with torch.cuda.device(h.device):
-        torch.cuda.current_stream(h.device)  # the device's primary context is current on this thread
-        if h.ipc_handle:
-            if len(h.ipc_handle) != 64:
-                raise InvalidRequest(f"cuda_driver ipc_handle has {len(h.ipc_handle)} bytes, not 64")
-            handle = cu.CUipcMemHandle()
-            handle.reserved = h.ipc_handle
-            base = int(_check(cu.cuIpcOpenMemHandle(handle, cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle"))
-            mapped = _Mapped(base + h.offset, h.size, lambda: cu.cuIpcCloseMemHandle(base))
-        else:
-            mapped = _map_chunks(cu, h, fds)
-        return torch.as_tensor(mapped, device=f"cuda:{h.device}")
+    primary_context(h.device, InvalidRequest)  # a thread of the daemon's pool: a driver call needs a current context
+    mapped = _open_ipc(cu, h) if h.ipc_handle else _map_chunks(cu, h, fds)
+    return torch.as_tensor(mapped, device=f"cuda:{h.device}")
+
+
+def _open_ipc(cu: Any, h: CudaDriverStorage) -> _Mapped:
+    if len(h.ipc_handle) != IPC_HANDLE_BYTES:
+        raise InvalidRequest(f"cuda_driver ipc_handle has {len(h.ipc_handle)} bytes, not {IPC_HANDLE_BYTES}")
+    flags = cu.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    base = int(_check(cu.cuIpcOpenMemHandle(ipc_handle(h.ipc_handle), flags), "cuIpcOpenMemHandle"))
+
+    def release() -> None:
+        primary_context(h.device, InvalidRequest)  # finalizers run on whatever thread dropped the last reference
+        cu.cuIpcCloseMemHandle(base)
+
+    try:
+        _, size = _check(cu.cuMemGetAddressRange(base), "cuMemGetAddressRange")
+        if h.offset + h.size > int(size):  # every byte a copy may touch lies in the allocation
+            raise InvalidRequest(f"cuda_driver storage [{h.offset}, {h.offset + h.size}) does not fit the {int(size)}-byte allocation")
+    except BaseException:
+        release()
+        raise
+    return _Mapped(base + h.offset, h.size, release)
 
 
 def _map_chunks(cu: Any, h: CudaDriverStorage, fds: Mapping[str, int]) -> _Mapped:
@@ -94,6 +98,7 @@ def _map_chunks(cu: Any, h: CudaDriverStorage, fds: Mapping[str, int]) -> _Mappe
     done: list[tuple[int, int]] = []
 
     def release() -> None:
+        primary_context(h.device, InvalidRequest)
         for ptr, size in done:
             cu.cuMemUnmap(ptr, size)
         cu.cuMemAddressFree(base, h.mapped_size)

@@ -164,9 +164,10 @@ class EngineParts:
         part.message = part.message or message
         self._settle(part)
 
-    def worker_gone(self, engine_id: str, rank: int) -> None:
-        """The rank's stream ended: its orders may never be reported; their parts fail now."""
-        for key in [k for k, p in self._orders.items() if p.plan.engine_id == engine_id and k[1] == rank]:
+    def worker_gone(self, engine_id: str, rank: int | None = None) -> None:
+        """The rank's stream ended (every rank's: the engine went): its orders may never be
+        reported; their parts fail now."""
+        for key in [k for k, p in self._orders.items() if p.plan.engine_id == engine_id and rank in (None, k[1])]:
             part = self._orders.pop(key)
             part.outstanding = 0
             part.failed += [w[0] for w in part.work if w[0] not in set(part.failed)]

@@ -158,6 +158,7 @@ class HostCopyEngine(EngineParts, CopyEngine):
             for p in parts:
                 if p.plan.engine_id == engine_id:
                     p.cancelled = True
+        self.worker_gone(engine_id)
         self.layouts.pop(engine_id, None)
         for key in [k for k in self.mappings if k[0] == engine_id]:
             del self.mappings[key]
