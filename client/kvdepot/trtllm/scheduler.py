@@ -3,13 +3,19 @@ updates, at most one Step per engine step (docs/trtllm.md walks through it).
 
     get_num_new_matched_tokens(request, L)   L is TensorRT-LLM's own prefix hit; asks the daemon
                                              for E beyond it (a short deadline: a miss when slow)
-    update_state_after_alloc(request, ids)   commits L, E and the block table; an async load is
-                                             announced in the next Step (the request is absent
-                                             from the scheduler output until it has loaded)
+    update_state_after_alloc(request, ids)   commits L, E (what the cache manager took) and the
+                                             block table; an async load is announced in the next
+                                             Step (the request is absent from the scheduler output
+                                             until it has loaded)
     build_connector_meta(output)             new requests as new with L and E apart (so blocks the
                                              engine had are never stored again), cached requests
-                                             as cached, token and block deltas only
-    request_finished(request, ids)           True while the daemon may still read its blocks
+                                             as cached, token and block deltas only; the engine's
+                                             key for the workers
+    request_finished(request, ids)           True while the daemon may still read or write its blocks
+
+The engine's key is minted here (kvdepot.connector.instance). Every block a request is given
+beyond its own prefix hit is checked against the requests tracked here: TensorRT-LLM frees a
+cancelled request's blocks without asking (_claim).
 """
 
 from __future__ import annotations
