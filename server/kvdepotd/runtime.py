@@ -311,12 +311,14 @@ class Runtime:
     def detach(self, key: Rank, ch: WorkerChannel) -> bool:
         """The stream ended. When it was the engine's last, its processes have most likely exited
         (TensorRT-LLM calls no shutdown hook; a killed process says nothing): the engine's lease
-        runs out DETACHED_LEASE_MS from now unless a call of the engine renews it first."""
+        runs out DETACHED_LEASE_MS from now unless a call of the engine renews it first. Only for
+        an engine whose memory was mapped: a stream that never shared any proves no process left."""
         if self.channels.get(key) is not ch:
             return False
         del self.channels[key]
         self.copy.worker_gone(key[0], key[1])
-        if key[0] in self.depot.engines and not any(k[0] == key[0] for k in self.channels):
+        eng = self.depot.engines.get(key[0])
+        if eng is not None and eng.mapped and not any(k[0] == key[0] for k in self.channels):
             self.depot.shorten_lease(key[0], now_ms() + DETACHED_LEASE_MS)
         return True
 
