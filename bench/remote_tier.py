@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvdepot import DepotClient, KvLayout  # noqa: E402
 from kvdepot.testing import DaemonProcess, FakeEngine  # noqa: E402
-from kvdepot.testing.valkey import ValkeyCluster  # noqa: E402
+from kvdepot.testing.valkey import ValkeyCluster, remote_args  # noqa: E402
 
 
 def wait_counter(c: DepotClient, name: str, at_least: int, timeout_s: float = 120.0) -> float:
@@ -137,7 +137,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"block_bytes": lay.block_bytes, "blocks": n, "repeat": args.repeat}
     writes, reads, set_gbs, get_gbs, lookups = [], [], [], [], []
     with ValkeyCluster(primaries=3) as vc:
-        common = ["--host-gib", host_gib, "--remote", vc.url, "--disk-admit-after", "2", "--remote-lookup-ms", "2000", *args.daemon_arg]
+        common = ["--host-gib", host_gib, *remote_args(vc.url), "--disk-admit-after", "2", "--remote-lookup-ms", "2000", *args.daemon_arg]
         with DaemonProcess(args=common) as a, DaemonProcess(args=common) as b:
             for r in range(args.repeat + 1):  # the first round warms up (code paths, page faults), not counted
                 toks = list(range(1_000_000 * (r + 1), 1_000_000 * (r + 1) + n * 16 + 1))
@@ -200,7 +200,7 @@ def ttft(args: argparse.Namespace) -> dict[str, Any]:
     same = True
     engines: list[Any] = []
     with ValkeyCluster(primaries=3) as vc:
-        common = ["--host-gib", "2", "--remote", vc.url, "--disk-admit-after", "1", "--remote-lookup-ms", "500"]
+        common = ["--host-gib", "2", *remote_args(vc.url), "--disk-admit-after", "1"]
         with DaemonProcess(args=common) as a, DaemonProcess(args=common) as b:
             try:
 

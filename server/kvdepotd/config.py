@@ -71,12 +71,14 @@ class DaemonConfig:
     remote_user: str = ""
     remote_password: str = ""
     remote_ca: str = ""
+    remote_key_file: str = ""
     remote_prefix: str = "kvdepot"
     remote_ttl_s: int = 0
     remote_timeout_ms: int = 1000
     remote_lookup_ms: int = 20
     remote_queue_blocks: int = 8192
     remote_threads: int = 2
+    remote_recheck_s: float = 10.0
     fault_load_delay_ms: int = 0
     fault_store_delay_ms: int = 0
     fault_corrupt_loads: int = 0
@@ -186,6 +188,10 @@ HELP: dict[str, str] = {
     "remote_password": "password for the remote store; prefer the environment (KVDEPOT_REMOTE_PASSWORD) to a flag, which "
     "other local users can read in the process list",
     "remote_ca": "PEM CA certificates to check the remote store's TLS certificate with (valkeys://). Empty: the system's",
+    "remote_key_file": "file with the secret the deployment's daemons share (one per line, at least 32 characters: "
+    "`openssl rand -hex 32`): every value in the remote store carries a MAC with a key derived from it and the namespace, "
+    "so only daemons holding it can write blocks the others accept. The first line signs; later lines are accepted too "
+    "(a rotation, docs/remote.md). Required with remote",
     "remote_prefix": "first part of every key the daemon writes to the remote store (an ACL key pattern can confine the "
     "daemon's user to PREFIX:*). Default kvdepot",
     "remote_ttl_s": "seconds a block lives in the remote store; 0 (the default): until the store evicts it (maxmemory "
@@ -198,6 +204,8 @@ HELP: dict[str, str] = {
     "remote_queue_blocks": "admitted blocks waiting to be written to the remote store; more are dropped (and counted) "
     "rather than slowing anything. Default 8192",
     "remote_threads": "threads reading from and writing to the remote store. Default 2",
+    "remote_recheck_s": "a block the store was seen to hold longer ago than this is asked about again when it is next "
+    "used, and written again if the store lost it (a flush, an eviction, a primary restarted empty). Default 10",
     "fault_load_delay_ms": "fault injection for tests: every load waits this long before copying. Default 0",
     "fault_store_delay_ms": "fault injection for tests: every store waits this long before copying. Default 0",
     "fault_corrupt_loads": "fault injection for tests: the next N blocks loaded have their host bytes flipped first "
@@ -370,12 +378,14 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "remote_user": _plain,
     "remote_password": _plain,
     "remote_ca": _path,
+    "remote_key_file": _path,
     "remote_prefix": _key_prefix,
     "remote_ttl_s": _positive("remote_ttl_s", int, allow_zero=True),
     "remote_timeout_ms": _positive("remote_timeout_ms", int),
     "remote_lookup_ms": _positive("remote_lookup_ms", int),
     "remote_queue_blocks": _positive("remote_queue_blocks", int),
     "remote_threads": _positive("remote_threads", int),
+    "remote_recheck_s": _positive("remote_recheck_s", float),
     "fault_load_delay_ms": _positive("fault_load_delay_ms", int, allow_zero=True),
     "fault_store_delay_ms": _positive("fault_store_delay_ms", int, allow_zero=True),
     "fault_corrupt_loads": _positive("fault_corrupt_loads", int, allow_zero=True),
@@ -424,6 +434,11 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Daemo
         raise ConfigError("tls_cert and tls_key go together: TLS needs the certificate and its private key")
     if cfg.tls_client_ca and not cfg.tls_cert:
         raise ConfigError("tls_client_ca asks TLS clients for certificates: it needs tls_cert and tls_key")
+    if cfg.remote and not cfg.remote_key_file:
+        raise ConfigError(
+            "remote needs remote_key_file: a secret the deployment's daemons share, so that no other writer of the store can plant "
+            "blocks (make one with `openssl rand -hex 32 > FILE`, give every daemon the same file; docs/remote.md)"
+        )
     return cfg
 
 

@@ -454,9 +454,12 @@ class Runtime:
             self.failed("checksum", "", f"disk job {job_id}: {len(corrupt)} blocks failed their checksum and were dropped", warn=True)
         self.pump()
 
-    def _remote_done(self, job_id: int, failed: set[int], corrupt: set[int], present: set[int], message: str) -> None:
-        self.depot.remote_job_done(job_id, failed, corrupt, present, message)  # type: ignore[arg-type]
-        if corrupt:
+    def _remote_done(self, job_id: int, failed: set[int], corrupt: set[int], present: set[int], message: str, forged: set[int]) -> None:
+        self.depot.remote_job_done(job_id, failed, corrupt, present, message, forged)  # type: ignore[arg-type]
+        if forged:
+            self.failed("forged", "", f"remote job {job_id}: {len(forged)} blocks in the store failed their MAC (deleted there; recomputed): "
+                        f"{message}", warn=True)
+        elif corrupt:
             self.failed("checksum", "", f"remote job {job_id}: {len(corrupt)} blocks were corrupt in the store (deleted there; recomputed)", warn=True)
         self.pump()
 

@@ -42,7 +42,7 @@ from kvdepotd.runtime import Runtime
 from kvdepotd.service import DepotService
 from kvdepotd.storage.disk import DiskError
 from kvdepotd.storage.disk_dir import DiskStore
-from kvdepotd.storage.remote import RemoteSettings, RemoteStore
+from kvdepotd.storage.remote import RemoteSettings, RemoteStore, ValueKeys
 from kvdepotd.storage.host_arena import ArenaError, HostArena
 from kvdepotd.transfer import blockcopy
 from kvdepotd.transfer.host import Faults
@@ -108,7 +108,7 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         disk_bytes=cfg.disk_bytes,
         disk_slab_bytes=cfg.disk_slab_mib << 20,
         disk=DiskConfig(policy=cfg.disk_policy, admit_after=cfg.disk_admit_after, admit_window_ms=int(cfg.disk_admit_window_s * 1000)),
-        remote=RemoteConfig(enabled=bool(cfg.remote), queue_blocks=cfg.remote_queue_blocks),
+        remote=RemoteConfig(enabled=bool(cfg.remote), queue_blocks=cfg.remote_queue_blocks, recheck_ms=int(cfg.remote_recheck_s * 1000)),
         first_op_id=time.time_ns() // 1000,  # microseconds: above every id an earlier daemon handed out
     )
 
@@ -252,7 +252,7 @@ class Daemon:
         if cfg.remote:
             settings = RemoteSettings.parse(
                 cfg.remote, user=cfg.remote_user, password=cfg.remote_password, ca_file=cfg.remote_ca, prefix=cfg.remote_prefix,
-                ttl_s=cfg.remote_ttl_s, timeout_ms=cfg.remote_timeout_ms,
+                ttl_s=cfg.remote_ttl_s, timeout_ms=cfg.remote_timeout_ms, keys=self._remote_keys(),
             )
             await self.runtime.attach_remote(RemoteStore(settings), cfg.remote_threads, cfg.remote_lookup_ms)
         # grpc's health servicer answers SERVING for "" from the start: not before the lanes, the
@@ -327,6 +327,14 @@ class Daemon:
                 self.runtime.remote.store.settings.describe(), c.remote_prefix, f"TTL {c.remote_ttl_s} s" if c.remote_ttl_s else "no TTL",
                 c.disk_admit_after, c.remote_threads, c.remote_timeout_ms, c.remote_lookup_ms, c.remote_queue_blocks,
             )
+
+    def _remote_keys(self) -> ValueKeys:
+        try:
+            keys = ValueKeys.load(self.cfg.remote_key_file)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        log.info("remote tier: values signed with key %s%s", keys.ids[0], f"; also accepted: {', '.join(keys.ids[1:])}" if keys.ids[1:] else "")
+        return keys
 
     def _open_disk(self) -> None:
         cfg = self.cfg

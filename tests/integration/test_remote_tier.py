@@ -5,6 +5,7 @@ every way the store can fail costs misses, never wrong KV, an error to the engin
 from __future__ import annotations
 
 import atexit
+import signal
 import shutil
 import tempfile
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from kvdepot import DepotClient, KvLayout
 from kvdepot.testing import DaemonProcess, FakeEngine
-from kvdepot.testing.valkey import ValkeyCluster
+from kvdepot.testing.valkey import ValkeyCluster, remote_args
 from tests.integration.conftest import attached_engine, close_engine, wait_counter
 
 pytestmark = pytest.mark.integration
@@ -49,7 +50,7 @@ def node(vc: ValkeyCluster | str, *extra: str) -> DaemonProcess:
     folder = tempfile.mkdtemp(prefix="kvdepot-node-disk-")
     atexit.register(shutil.rmtree, folder, True)
     disk = ["--disk-dir", folder, "--disk-gib", "0.05", "--disk-slab-mib", "1", "--disk-policy", "write-through"]
-    return DaemonProcess(args=["--remote", url, "--disk-admit-after", "1", "--remote-lookup-ms", "500", *disk, *extra]).start()
+    return DaemonProcess(args=[*remote_args(url), "--disk-admit-after", "1", *disk, *extra]).start()
 
 
 def engine(d: DaemonProcess, namespace: str = "", **kw: object) -> FakeEngine:
@@ -285,8 +286,8 @@ def test_an_acl_user_confined_to_the_prefix_is_enough_and_a_wrong_password_is_a_
         vc.command("ACL", "SETUSER", "kvd", *ACL_RULES)
         vc.command("ACL", "SETUSER", "default", "off")
         url = f"valkey://kvd@127.0.0.1:{vc.ports[0]}"
-        a = DaemonProcess(args=["--remote", url, "--disk-admit-after", "1"], env={"KVDEPOT_REMOTE_PASSWORD": "kvd-secret"}).start()
-        bad = DaemonProcess(args=["--remote", url], env={"KVDEPOT_REMOTE_PASSWORD": "wrong"}).start()
+        a = DaemonProcess(args=[*remote_args(url), "--disk-admit-after", "1"], env={"KVDEPOT_REMOTE_PASSWORD": "kvd-secret"}).start()
+        bad = DaemonProcess(args=remote_args(url), env={"KVDEPOT_REMOTE_PASSWORD": "wrong"}).start()
         try:
             wait_up(DepotClient(a.tcp))
             first = stored_on(a)
@@ -312,8 +313,8 @@ def test_the_acl_user_is_enough_in_a_cluster_too(store: ValkeyCluster) -> None:
         store.command("ACL", "SETUSER", "kvd", *ACL_RULES, node=i)
     url = store.url.replace("valkey://", "valkey://kvd@")
     env = {"KVDEPOT_REMOTE_PASSWORD": "kvd-secret"}
-    a = DaemonProcess(args=["--remote", url, "--disk-admit-after", "1"], env=env).start()
-    b = DaemonProcess(args=["--remote", url, "--remote-lookup-ms", "500"], env=env).start()
+    a = DaemonProcess(args=[*remote_args(url), "--disk-admit-after", "1"], env=env).start()
+    b = DaemonProcess(args=remote_args(url), env=env).start()
     try:
         wait_up(DepotClient(b.tcp))
         first = stored_on(a)
@@ -369,3 +370,206 @@ def test_tls_to_the_store(tmp_path: str) -> None:
             stop_clean(a, b, untrusting)
     finally:
         vc.stop()
+
+
+def hashes_of(prompt: list[int], namespace: str = "") -> list[int]:
+    from kvdepot.hashing import block_hashes, salt_hash, scope_seed, tokens_to_bytes
+
+    return block_hashes(tokens_to_bytes(prompt), 16, scope_seed(salt_hash(), namespace, MODEL))
+
+
+def key_of(store: ValkeyCluster, h: int) -> bytes:
+    return next(k for k in store.keys("kvdepot:*") if k.endswith(b"%016x" % h))
+
+
+def flush(store: ValkeyCluster) -> None:
+    from kvdepot.testing.valkey import command
+
+    for p in store.ports:
+        command(p, "FLUSHALL")
+
+
+def test_a_store_that_lost_its_blocks_gets_them_all_back_in_one_round(store: ValkeyCluster) -> None:
+    """FLUSHALL (as a primary restarted empty, or its LRU, would): the node that recomputes the
+    prompt puts back all 40 blocks at once, not one per round; and a node that still holds them
+    in its host tier puts them back on their next use past remote_recheck_s."""
+    a, b = node(store, "--remote-recheck-s", "1"), node(store)
+    try:
+        first = stored_on(a)
+        e = engine(b)
+        assert e.generate(PROMPT, max_new_tokens=3).output == first and e.stats.loaded_tokens == 40 * 16  # b learns it is there
+        flush(store)
+        e.client.clear("host")
+        e.client.clear("disk")
+        e.reset_prefix_cache()
+        assert e.generate(PROMPT, max_new_tokens=3).output == first  # a miss: recomputed...
+        wait_counter(e.client, "remote_written_blocks", 40)  # ...and all of it written back
+        assert len(store.keys("kvdepot:*")) == 40
+        close_engine(e)
+
+        flush(store)
+        time.sleep(1.2)  # past a's remote_recheck_s
+        ea = engine(a)
+        assert ea.generate(PROMPT, max_new_tokens=3).output == first and ea.stats.loaded_tokens == 40 * 16  # from a's host tier
+        wait_counter(ea.client, "remote_relearned_blocks", 40)
+        assert len(store.keys("kvdepot:*")) == 40
+        close_engine(ea)
+    finally:
+        stop_clean(a, b)
+
+
+def forge(store: ValkeyCluster, i: int, namespace: str = "", as_namespace: str = "") -> tuple[bytes, bytes]:
+    """What a writer of the store without the deployment's key can do to block `i` of PROMPT:
+    change its data, or move it under another namespace's key (and claim that namespace's hash),
+    and recompute every checksum the format has. Returns the key and the forged value."""
+    import xxhash
+
+    from kvdepotd.storage import remote as fmt
+
+    hs, target = hashes_of(PROMPT, namespace), as_namespace or namespace
+    ths = hashes_of(PROMPT, target)
+    key = key_of(store, hs[i])
+    value = bytes(store.command("GET", key, node=store.node_of(key)))
+    length, _ = fmt.check_header(value, 1, LAYOUT.block_bytes, hs[i], hs[i - 1] if i else None, namespace, LAYOUT.layout_class)
+    data = bytearray(value[length:])
+    if target == namespace:
+        data[:64] = bytes(64)  # zeros over the first positions' KV
+    key_id = fmt._FIXED.unpack_from(value)[9]
+    head = fmt.pack_header(1, LAYOUT.block_bytes, ths[i], ths[i - 1] if i else None, target, LAYOUT.layout_class, [xxhash.xxh3_64_intdigest(bytes(data))], key_id)
+    tag = value[length - fmt.TAG_BYTES : length]  # the writer cannot make a tag: it keeps the old one
+    new_key, forged = fmt.block_key("kvdepot", target, LAYOUT.layout_class, ths[i]), head + tag + bytes(data)
+    store.command("SET", new_key, forged, node=store.node_of(new_key))
+    return new_key, forged
+
+
+def test_a_value_forged_by_a_writer_without_the_key_is_refused_deleted_and_counted(store: ValkeyCluster) -> None:
+    """Checksums catch accidents, not writers: a value whose data was changed and every checksum
+    recomputed fails its MAC, and the engine recomputes the block instead of getting wrong KV."""
+    a, b = node(store), node(store)
+    try:
+        first = stored_on(a)
+        key, forged = forge(store, 10)
+        e = engine(b)
+        assert e.client.lookup("probe", PROMPT).matched_tokens == 40 * 16
+        out = e.generate(PROMPT, max_new_tokens=3)
+        assert out.output == first and e.stats.kv_mismatched_tokens == 0
+        assert e.stats.failed_load_blocks == 1  # block 10: the engine recomputes from there
+        c = e.client.stats().counters
+        assert (c["remote_forged_blocks"], c["remote_checksum_failures"]) == (1, 0)
+        assert store.command("GET", key, node=store.node_of(key)) != forged  # deleted (and b wrote its own since)
+        assert "failed their MAC" in b.log()
+        close_engine(e)
+    finally:
+        stop_clean(a, b)
+
+
+def test_a_tenants_value_moved_under_another_tenants_key_is_refused(store: ValkeyCluster) -> None:
+    a, b = node(store), node(store)
+    try:
+        stored_on(a, namespace="tenant-a")
+        forge(store, 0, namespace="tenant-a", as_namespace="tenant-b")
+        e = engine(b, namespace="tenant-b")
+        out = e.generate(PROMPT, max_new_tokens=3)
+        assert e.stats.kv_mismatched_tokens == 0 and e.stats.loaded_tokens == 0 and out.output
+        assert e.client.stats().counters["remote_forged_blocks"] == 1
+        close_engine(e)
+    finally:
+        stop_clean(a, b)
+
+
+def test_a_key_rotation_keeps_every_daemon_reading_and_no_log_shows_a_key(store: ValkeyCluster, tmp_path: str) -> None:
+    """The documented rotation: every daemon first accepts the new key (second line), then signs
+    with it (first line), then drops the old one. At each stage every daemon reads what the others
+    wrote; a daemon that never got the new key refuses its values (counted), never loads them."""
+    import os
+
+    from kvdepot.testing.valkey import key_file
+
+    old, new = "o" * 40, "n" * 40
+    both_old_first = key_file(f"{old}\n{new}")
+    both_new_first = key_file(f"{new}\n{old}")
+    only_new = key_file(new)
+    only_old = key_file(old)
+    a = node(store.url, "--remote-key-file", both_old_first)  # stage 1: signs with the old key, accepts the new
+    b = node(store.url, "--remote-key-file", both_new_first)  # stage 2: signs with the new key, accepts the old
+    c = node(store.url, "--remote-key-file", only_new)  # stage 3
+    stale = node(store.url, "--remote-key-file", only_old)  # a daemon left out of the rotation
+    try:
+        p1, p2 = PROMPT, list(range(50_000, 50_000 + 40 * 16 + 5))
+        out1 = stored_on(a, p1)
+        out2 = stored_on(b, p2)
+        e = engine(b)
+        assert e.generate(p1, max_new_tokens=3).output == out1 and e.stats.loaded_tokens == 40 * 16  # old-signed, read by stage 2
+        close_engine(e)
+        f = engine(c)
+        assert f.generate(p2, max_new_tokens=3).output == out2 and f.stats.loaded_tokens == 40 * 16  # new-signed, read by stage 3
+        close_engine(f)
+        g = engine(stale)
+        g.generate(p2[: 8 * 16 + 1], max_new_tokens=1)
+        assert g.stats.kv_mismatched_tokens == 0 and g.stats.loaded_tokens == 0
+        assert g.client.stats().counters["remote_forged_blocks"] >= 1
+        assert "which this daemon does not hold" in stale.log()
+        close_engine(g)
+        for d in (a, b, c, stale):
+            assert old not in d.log() and new not in d.log()
+        assert "values signed with key" in a.log() and "also accepted" in a.log()
+        os.unlink(both_old_first)
+    finally:
+        stop_clean(a, b, c, stale)
+
+
+def test_the_remote_tier_refuses_to_start_without_a_key_or_with_a_bad_one(tmp_path: str) -> None:
+    import os
+
+    d = DaemonProcess(args=["--remote", "valkey://127.0.0.1:1"])
+    with pytest.raises(RuntimeError, match="remote needs remote_key_file"):
+        d.start(timeout_s=10)
+    short = os.path.join(str(tmp_path), "short")
+    with open(short, "w") as f:
+        f.write("too-short\n")
+    d = DaemonProcess(args=["--remote", "valkey://127.0.0.1:1", "--remote-key-file", short])
+    with pytest.raises(RuntimeError, match="fewer than 32"):
+        d.start(timeout_s=10)
+    assert "too-short" not in d.log()
+
+
+def metric(d: DaemonProcess, port: int, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_read_from_a_dead_primary_fails_within_the_timeout_counted_as_timeout(store: ValkeyCluster) -> None:
+    """At the shipped timeout (1 s): the read of a job on a primary that was killed between the
+    Lookup and the read fails within one timeout, not two (the MGET's, then a GET per key's)."""
+    from kvdepot.testing.daemon import free_port
+
+    port = free_port()
+    a, b = node(store), node(store, "--metrics-listen", f"127.0.0.1:{port}")
+    try:
+        first = stored_on(a)
+        e = engine(b)
+        lookup = e.client.lookup
+
+        def lookup_then_stop(*args: object, **kw: object) -> object:
+            res = lookup(*args, **kw)  # type: ignore[arg-type]
+            assert res.matched_tokens == 40 * 16
+            store.kill(1, signal.SIGSTOP)  # a primary that takes connections and never answers
+            return res
+
+        e.client.lookup = lookup_then_stop  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        out = e.generate(PROMPT, max_new_tokens=3)
+        took = time.monotonic() - t0
+        e.client.lookup = lookup  # type: ignore[method-assign]
+        store.kill(1, signal.SIGCONT)
+        assert out.output == first and e.stats.kv_mismatched_tokens == 0
+        assert 0 < e.stats.failed_load_blocks < 40
+        assert took < 1.8, f"the load took {took:.2f} s with a 1 s request timeout"
+        assert metric(b, port, 'kvdepot_remote_failures_total{kind="timeout"}') >= 1
+        assert metric(b, port, 'kvdepot_remote_failures_total{kind="error"}') == 0
+        close_engine(e)
+    finally:
+        store.kill(1, signal.SIGCONT)
+        stop_clean(a, b)

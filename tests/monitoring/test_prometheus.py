@@ -27,7 +27,7 @@ from kvdepot import DepotClient
 from kvdepot.errors import NotFound
 from kvdepot.testing import DaemonProcess
 from kvdepot.testing.daemon import free_port
-from kvdepot.testing.valkey import ValkeyCluster
+from kvdepot.testing.valkey import ValkeyCluster, remote_args
 from tests.integration.test_status import died_without_unregistering
 
 pytestmark = pytest.mark.monitoring
@@ -127,7 +127,7 @@ def stack(tmp_path: Path) -> Iterator[tuple[DaemonProcess, Prometheus, str]]:
     mport = free_port()
     with ValkeyCluster(primaries=1, cluster=False, maxmemory="64mb") as vc:
         args = ["--metrics-listen", f"127.0.0.1:{mport}", "--host-gib", "0.02", "--disk-dir", str(tmp_path / "disk"), "--disk-gib", "0.1",
-                "--disk-admit-after", "1", "--remote", vc.url, "--lease-ms", "1000"]
+                "--disk-admit-after", "1", *remote_args(vc.url), "--lease-ms", "1000"]
         with DaemonProcess(args=args) as d:
             prom = Prometheus(f"127.0.0.1:{mport}", tempfile.mkdtemp(prefix="kvdepot-prom-", dir=tmp_path))
             try:

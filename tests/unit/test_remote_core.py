@@ -311,3 +311,45 @@ def test_a_block_being_written_is_not_queued_again() -> None:
     assert sim.depot.stats().remote_queue_blocks == 0
     sim.depot.remote_job_done(job.job_id, set(), set(), set())
     assert sim.depot.take_remote_jobs() == [] and sim.depot.all_counters()["remote_written_blocks"] == 4
+
+
+def test_a_lookup_that_misses_in_the_store_makes_every_later_block_writable_again() -> None:
+    """The store lost the prompt (FLUSHALL, a primary restarted empty, its LRU): a daemon that knew
+    it was there asks, misses at block 0, recomputes, and one round puts back every block, not the
+    first alone (today's defect: 1 of 64 per round)."""
+    toks = prompt(64 * BS + 1)
+    b, store = stored_and_written(toks)
+    store.lookup(b, "b", toks)  # b learns the store holds all 64...
+    b.step(b.new("b", toks, E=64 * BS, S=1, table=list(range(300, 365))))
+    store.run(b)
+    b.run_copies()
+    b.step(finished=["b"])
+    assert len(b.depot.remote.known) == 64
+    store.held.clear()  # ...then the store loses everything
+    b.depot.clear(host=True, disk=False)  # and so does b: it must recompute
+    res = store.lookup(b, "again", toks)
+    assert res.matched_tokens == 0
+    b.prefill_and_store("again", toks)
+    jobs = store.run(b)
+    assert sum(len(j.items) for j in jobs) == 64 and len(store.held) == 64
+
+
+def test_a_block_known_in_the_store_is_asked_about_again_after_recheck_ms_and_put_back_when_lost() -> None:
+    toks = prompt(64)
+    sim = remote_sim(recheck_ms=5_000)
+    store = Store()
+    sim.prefill_and_store("a", toks)
+    store.run(sim)
+    sim.prefill_and_store("b", toks)  # known, and recently: not asked about
+    assert sim.depot.take_remote_jobs() == []
+    sim.now += 6_000
+    sim.prefill_and_store("c", toks)  # known, but long ago: its write job asks the store first
+    store.run(sim)
+    c = sim.depot.all_counters()
+    assert (c["remote_write_skipped_blocks"], c["remote_relearned_blocks"], store.writes) == (4, 0, 4)
+    store.held.clear()  # the store loses them: the next use past recheck_ms writes them again
+    sim.now += 6_000
+    sim.prefill_and_store("d", toks)
+    store.run(sim)
+    c = sim.depot.all_counters()
+    assert (c["remote_relearned_blocks"], store.writes, len(store.held)) == (4, 8, 4)

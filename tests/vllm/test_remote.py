@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvdepot.testing import DaemonProcess
-from kvdepot.testing.valkey import ValkeyCluster
+from kvdepot.testing.valkey import ValkeyCluster, remote_args
 from tests.vllm.engine import P, Q, generate
 from tests.vllm.test_faults import counters, make
 
@@ -27,7 +27,7 @@ def test_a_prompt_computed_on_node_a_is_served_on_node_b_from_the_store(
     fresh_llm: list, model_dir: str, expected: dict[str, list[int]]  # type: ignore[type-arg]
 ) -> None:
     with ValkeyCluster(primaries=3) as vc:
-        args = ["--host-gib", "0.25", "--remote", vc.url, "--disk-admit-after", "1", "--remote-lookup-ms", "500"]
+        args = ["--host-gib", "0.25", *remote_args(vc.url), "--disk-admit-after", "1"]
         with DaemonProcess(args=args) as a, DaemonProcess(args=args) as b:
             on_a = make(fresh_llm, model_dir, a.tcp)
             assert generate(on_a, [P])[0] == (expected["P"], 0)

@@ -5,6 +5,7 @@ a fresh machine).
 
     with ValkeyCluster(primaries=3) as vc:   # vc.url: "valkey://127.0.0.1:p1,127.0.0.1:p2,..."
         vc.kill(1); vc.restart(1)            # a primary down, and back with its slots (and no data)
+    remote_args(vc.url)                      # a daemon's flags for it, with the tests' shared key file
 
 Each server keeps its files in its own temporary directory (no persistence: `--save ""`).
 """
@@ -23,6 +24,36 @@ from typing import Any
 
 SLOTS = 16384
 START_TRIES = 3  # a port picked free can be taken before the server binds it: pick again
+
+
+def key_file(secret: str = "") -> str:
+    """A remote_key_file holding `secret` (else one made here, shared by every daemon of this
+    process: a test deployment's), removed at exit."""
+    import atexit
+    import secrets
+
+    if not secret and _KEY_FILE:
+        return _KEY_FILE[0]
+    fd, path = tempfile.mkstemp(prefix="kvdepot-remote-key-")
+    with os.fdopen(fd, "w") as f:
+        f.write((secret or secrets.token_hex(32)) + "\n")
+    atexit.register(_remove, path)
+    if not secret:
+        _KEY_FILE.append(path)
+    return path
+
+
+_KEY_FILE: list[str] = []
+
+
+def _remove(path: str) -> None:
+    if os.path.exists(path):
+        os.unlink(path)
+
+
+def remote_args(url: str, key: str = "") -> list[str]:
+    """The flags that give a daemon the store at `url`, and the deployment's key file."""
+    return ["--remote", url, "--remote-key-file", key or key_file()]
 
 
 def free_ports(n: int) -> list[int]:

@@ -206,7 +206,7 @@ class Depot:
     ) -> LookupResult:
         eng = self.engine(engine_id)
         self._check_pin_caps(eng, request_id, len(tokens) // 4)
-        self.disk.now_ms = now_ms
+        self.disk.now_ms = self.remote.now_ms = now_ms
         remote = self.remote.up and eng.layout.world_size <= REMOTE_MAX_RANKS
         return lookup.lookup(
             eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters, remote, eng.mapped_in_full
@@ -215,13 +215,15 @@ class Depot:
     def extend_lookup(self, engine_id: EngineId, request_id: RequestId, pin: LookupPin | None, res: LookupResult, found: int) -> LookupResult:
         """The remote store holds the first `found` blocks of `res.remote_query` (lookup.extend);
         `pin` is the one the lookup left (Engine.pins), so that a pin replaced meanwhile is not
-        extended. The first block it does not hold may be written again."""
+        extended. The store asked stops at the first block it does not hold: what comes after is
+        not known to be there either (a flush, an eviction or a lost primary takes many), so every
+        block from there on may be written again."""
         eng = self.engine(engine_id)
         q = res.remote_query
         self.counters["remote_lookups"] += 1
         self.counters["remote_lookup_hits"] += found > 0
         if found < len(q):
-            self.remote.absent(eng.domain.layout_class, q[found])
+            self.remote.absent(eng.domain.layout_class, q[found:])
         if pin is None:
             return res
         return lookup.extend(eng, request_id, pin, found, res, self.counters)
@@ -272,7 +274,7 @@ class Depot:
         now_ms: int,
     ) -> StepPlan:
         eng = self.engine(engine_id)
-        self.disk.now_ms = now_ms
+        self.disk.now_ms = self.remote.now_ms = now_ms
         if (cached := eng.responses.get(step)) is not None:
             self.counters["steps_repeated"] += 1
             return cached  # rule 5: a repeated step is answered the same and changes nothing
@@ -534,7 +536,7 @@ class Depot:
     def expire(self, now_ms: int) -> list[EngineId]:
         """Ends ops, pins and leases past their deadlines; returns the engines whose lease expired
         (unregistered here: the runtime closes their channels and mappings)."""
-        self.disk.now_ms = now_ms
+        self.disk.now_ms = self.remote.now_ms = now_ms
         expired: list[EngineId] = []
         for op in self.ops.expired(now_ms):
             self._end(op, "deadline exceeded")
@@ -623,9 +625,11 @@ class Depot:
         """Store jobs to run now: reads planned by loads, and writes of admitted host blocks."""
         return self.remote.take_jobs()
 
-    def remote_job_done(self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "") -> None:
+    def remote_job_done(
+        self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "", forged: set[BlockHash] = frozenset()  # type: ignore[assignment]
+    ) -> None:
         """The store's report of one job (RemotePlanner.job_done)."""
-        self._ready += self.remote.job_done(job_id, failed, corrupt, present, message)
+        self._ready += self.remote.job_done(job_id, failed, corrupt, present, message, forged)
 
     # -- the disk tier ---------------------------------------------------------------------------------
     def restore_disk(self, layout_class: str, block_bytes: int, world_size: int, blocks: Sequence[tuple[int, int | None, int, str]]) -> bool:

@@ -7,7 +7,8 @@ time by the runtime (Depot.lookup answers `remote_query`, the hashes to ask abou
 Depot.extend_lookup takes the answer).
 
 Primitives (called by the Depot and the planners on the event loop, one at a time):
-    wants(dom, hash)                 the block may go to the store (not known there, not queued)
+    wants(dom, hash)                 the block may go to the store (not known there, or known longer
+                                     than `recheck_ms`: the write job asks the store again)
     offer(dom, hash)                 queues an admitted host block for writing, or drops it
                                      (counted by reason: the store is down, the queue is full)
     stage(dom, hash, parent, owner)  a host cell the block is read into for a load, or None
@@ -15,7 +16,7 @@ Primitives (called by the Depot and the planners on the event loop, one at a tim
     take_jobs() -> [RemoteJob]       reads, and writes up to `jobs_in_flight` at once
     job_done(job_id, failed, corrupt, present, message) -> [(Op, rank)]   the store's report
     set_up(up)                       the store answers, or not (the runtime's health check)
-    absent(layout_class, hash)       the store was asked and does not hold the block
+    absent(layout_class, hashes)     the store does not hold these blocks (any more)
 A job is plain data (RemoteJob), like a DiskJob: per block its hash, parent, host cell with its
 byte offset, and the namespace that owns it (the key's scope and the value's header).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvdepot.hashing import BlockHash
@@ -43,6 +45,10 @@ class RemoteConfig:
     jobs_in_flight: int = 4  # write jobs at once, all layout classes
     lookup_blocks: int = 4096  # the most blocks one lookup asks the store about
     known_blocks: int = 1 << 20  # hashes remembered as held by the store
+    # A block the store was known to hold this long ago is asked about again when it is next used
+    # (one pipelined EXISTS in its write job; written when gone): the store may have evicted it,
+    # been flushed, or lost a primary since, and nothing tells a daemon so.
+    recheck_ms: int = 10_000
 
 
 class RemoteJobKind(enum.Enum):
@@ -79,7 +85,8 @@ class RemotePlanner:
         self.counters = counters
         self.up = False  # until the runtime's first health check says otherwise
         self.queue: OrderedDict[Key, Domain] = OrderedDict()
-        self.known: OrderedDict[Key, None] = OrderedDict()
+        self.known: OrderedDict[Key, int] = OrderedDict()  # -> when the store was last seen to hold it
+        self.now_ms = 0  # the Depot's clock (set with each call that carries one)
         self.jobs: dict[int, tuple[RemoteJob, Domain]] = {}
         self.writes_in_flight = 0
         self.writing: set[Key] = set()  # blocks of write jobs out
@@ -102,7 +109,10 @@ class RemotePlanner:
         if not self.config.enabled or dom.world_size > REMOTE_MAX_RANKS:
             return False
         k = (dom.layout_class, h)
-        return k not in self.known and k not in self.queue and k not in self.writing
+        if k in self.queue or k in self.writing:
+            return False
+        seen = self.known.get(k)
+        return seen is None or self.now_ms - seen > self.config.recheck_ms
 
     def offer(self, dom: Domain, h: BlockHash) -> None:
         """An admitted host-resident block: queued for the store, or dropped (counted) when the store
@@ -116,14 +126,15 @@ class RemotePlanner:
             self.counters["remote_queued_blocks"] += 1
 
     def _remember(self, k: Key) -> None:
-        self.known[k] = None
+        self.known[k] = self.now_ms
         self.known.move_to_end(k)
         if len(self.known) > self.config.known_blocks:
             self.known.popitem(last=False)
 
-    def absent(self, layout_class: str, h: BlockHash) -> None:
-        """The store does not hold the block (any more): it may be written again."""
-        self.known.pop((layout_class, h), None)
+    def absent(self, layout_class: str, hashes: Iterable[BlockHash]) -> None:
+        """The store does not hold these blocks (any more): they may be written again."""
+        for h in hashes:
+            self.known.pop((layout_class, h), None)
 
     def _dispatch_writes(self) -> None:
         cfg = self.config
@@ -184,11 +195,13 @@ class RemotePlanner:
         ready, self._ready = self._ready, []
         return ready
 
-    def job_done(self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "") -> list[tuple[Op, int]]:
+    def job_done(
+        self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "", forged: set[BlockHash] = frozenset()  # type: ignore[assignment]
+    ) -> list[tuple[Op, int]]:
         """The store's report of one job. WRITE: `present` blocks were there already (not written
         again), `failed` ones were not written. READ: `failed` blocks did not arrive (missing,
-        evicted, late, the store down), `corrupt` ones arrived wrong (bad header or data; the
-        storage deleted them from the store)."""
+        evicted, late, the store down), `corrupt` ones arrived wrong (bad header or data, or, the
+        `forged` among them, a MAC that does not check out; the storage deleted them from the store)."""
         job, dom = self.jobs.pop(job_id)
         host, cls, c = dom.registry, dom.layout_class, self.counters
         if job.kind is RemoteJobKind.WRITE:
@@ -198,9 +211,11 @@ class RemotePlanner:
                 self.writing.discard((cls, it.hash))
                 if it.hash in failed:
                     c["remote_write_failed_blocks"] += 1
-                else:
-                    self._remember((cls, it.hash))
-                    c["remote_write_skipped_blocks" if it.hash in present else "remote_written_blocks"] += 1
+                    continue
+                if it.hash not in present and (cls, it.hash) in self.known:
+                    c["remote_relearned_blocks"] += 1  # known there, but the store had lost it
+                self._remember((cls, it.hash))
+                c["remote_write_skipped_blocks" if it.hash in present else "remote_written_blocks"] += 1
             return []
         waiting: dict[OpId, Op] = {}
         for it in job.items:
@@ -209,8 +224,8 @@ class RemotePlanner:
                 self._remember((cls, it.hash))
                 c["remote_read_blocks"] += 1
             else:
-                self.absent(cls, it.hash)
-                c["remote_checksum_failures" if it.hash in corrupt else "remote_read_failed_blocks"] += 1
+                self.absent(cls, [it.hash])
+                c["remote_forged_blocks" if it.hash in forged else "remote_checksum_failures" if it.hash in corrupt else "remote_read_failed_blocks"] += 1
             host.complete_store(it.hash, ok)
             land(self.ops, self._staging.pop((cls, it.hash)), ok, host, it.hash, message or "remote read failed", waiting)
         ready: list[tuple[Op, int]] = []

@@ -6,19 +6,28 @@ valkey-glide client, and the format of the values the daemon keeps there.
                                      per key True, False or an error; get(keys) -> per key bytes,
                                      None (missing) or an error; set(items) -> per key None or an error
     block_key(prefix, namespace, layout_class, hash)   where a block lives
-    pack_header(...) / check_value(...)                 the value: a header, then the block's data
+    pack_header(...) / check_header(...)                the value: a header, then the block's data
+    ValueKeys.load(path)                                the deployment's secret(s): every value carries
+                                                        a keyed MAC (BLAKE3) of its header and data
 
 One key per block holds every rank's data, so the store evicts a block whole (a header and data in
 two keys could lose one and keep the other). The key is scoped by the namespace and layout class
 (a fingerprint of both) and names the block's chained hash, which the model already scopes.
 
-A value is a header, then the block's data (all ranks, rank after rank):
-    magic "KVDPRMT1", format version (u16), world size (u16), header length (u32),
-    data bytes (u64), hash (u64), parent (u64), has a parent (u8), 7 bytes of padding,
-    fingerprint (u64), per-rank xxh3-64 of the data (u64 each),
-    namespace and layout class (u16 length + UTF-8 each), xxh3-64 of all the header before it (u64)
+A value is a header, then the block's data (all ranks, rank after rank), little-endian:
+    magic "KVDPRMT1", format version (u16, 2), world size (u16), header length (u32, the tag
+    included), data bytes (u64), hash (u64), parent (u64; 0 without one), has a parent (u8),
+    7 zero bytes of padding, fingerprint (u64), key id (u64), per-rank xxh3-64 of the data (u64
+    each), namespace and layout class (u16 length + UTF-8 each), xxh3-64 of all the header before
+    it (u64), then the tag: BLAKE3 keyed with the namespace's key (32 bytes) over the header before
+    the tag and the data.
 A read checks every field against what the daemon expects and every rank's data against its
-checksum; anything else is a corrupt block (deleted from the store, and the load recomputes it).
+checksum (a corrupt block: an accident), then the tag (a forged block, or one signed with a key
+this daemon does not hold); either way the value is deleted from the store and the load recomputes.
+
+The checksums catch accidents, the tag catches writers: whoever can write to the store but does
+not hold the deployment's secret cannot make a value a daemon accepts. A namespace's key is derived
+from the secret and the namespace, so a value moved under another tenant's key fails too.
 
 The store runs its own eviction (`maxmemory` with `maxmemory-policy allkeys-lru`, or a TTL per
 value): `config_warnings()` says when it would refuse writes instead, or grow without bound.
@@ -26,20 +35,25 @@ value): `config_warnings()` says when it would refuse writes instead, or grow wi
 
 from __future__ import annotations
 
+import bisect
 import functools
+import hmac
 import socket
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import blake3
 import xxhash
 
 from kvdepotd.config import parse_remote_url
 
 MAGIC = b"KVDPRMT1"
-FORMAT = 1
-_FIXED = struct.Struct("<8sHHIQQQB7xQ")
+FORMAT = 2
+_FIXED = struct.Struct("<8sHHIQQQB7xQQ")
+TAG_BYTES = 32
+MIN_SECRET_CHARS = 32
 _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
 
@@ -59,16 +73,75 @@ def block_key(prefix: str, namespace: str, layout_class: str, h: int) -> bytes:
     return _key_head(prefix, namespace, layout_class) + b"%016x" % h
 
 
+class ValueKeys:
+    """The deployment's secrets (`remote_key_file`: one per line, the first signs, the others are
+    accepted too, for a rotation) and the per-namespace MAC keys derived from them. A secret is
+    never logged nor shown: `ids` (a one-way digest of each) names them."""
+
+    def __init__(self, secrets: Sequence[bytes]) -> None:
+        if not secrets:
+            raise ValueError("no key")
+        self._secrets = {_key_id(s): s for s in secrets}
+        self.signing = _key_id(secrets[0])
+
+    def __repr__(self) -> str:
+        return f"ValueKeys(ids={self.ids})"
+
+    @property
+    def ids(self) -> list[str]:
+        return [f"{i:016x}" for i in self._secrets]
+
+    @staticmethod
+    def load(path: str) -> ValueKeys:
+        """Raises ValueError saying what is wrong with the file (never what it holds)."""
+        try:
+            with open(path, "rb") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise ValueError(f"remote_key_file {path}: {e.strerror or e}") from None
+        secrets = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith(b"#")]
+        if not secrets:
+            raise ValueError(f"remote_key_file {path} holds no key (one secret per line; make one with `openssl rand -hex 32`)")
+        for n, sec in enumerate(secrets, 1):
+            if len(sec) < MIN_SECRET_CHARS:
+                raise ValueError(f"remote_key_file {path}: key {n} has {len(sec)} characters, fewer than {MIN_SECRET_CHARS} (make one with `openssl rand -hex 32`)")
+        if len({_key_id(s) for s in secrets}) != len(secrets):
+            raise ValueError(f"remote_key_file {path} holds one key twice")
+        return ValueKeys(secrets)
+
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 (a few keys, living as long as the daemon)
+    def key(self, key_id: int, namespace: str) -> bytes | None:
+        """The MAC key of `namespace` under the secret `key_id`, or None when this daemon does not hold it."""
+        secret = self._secrets.get(key_id)
+        if secret is None:
+            return None
+        return blake3.blake3(secret + b"\0" + namespace.encode(), derive_key_context=_NAMESPACE_KEY_CONTEXT).digest()
+
+    def tag(self, key: bytes, head: bytes | memoryview, data: Any) -> bytes:
+        return blake3.blake3(head, key=key).update(data).digest()
+
+
+_NAMESPACE_KEY_CONTEXT = "kvdepot 2026-12 remote value key of a namespace"
+
+
+def _key_id(secret: bytes) -> int:
+    return int.from_bytes(blake3.blake3(secret, derive_key_context="kvdepot 2026-12 remote key id").digest(8), "little")
+
+
 def header_bytes(world_size: int, namespace: str, layout_class: str) -> int:
-    return _FIXED.size + 8 * world_size + 2 + len(namespace.encode()) + 2 + len(layout_class.encode()) + 8
+    return _FIXED.size + 8 * world_size + 2 + len(namespace.encode()) + 2 + len(layout_class.encode()) + 8 + TAG_BYTES
 
 
-def pack_header(world_size: int, data_bytes: int, h: int, parent: int | None, namespace: str, layout_class: str, checksums: Sequence[int]) -> bytes:
+def pack_header(
+    world_size: int, data_bytes: int, h: int, parent: int | None, namespace: str, layout_class: str, checksums: Sequence[int], key_id: int
+) -> bytes:
+    """The header up to its tag (TAG_BYTES short of header_bytes): `seal` adds the tag once the
+    data is behind it."""
     ns, cls = namespace.encode(), layout_class.encode()
-    length = _FIXED.size + 8 * world_size + 2 + len(ns) + 2 + len(cls) + 8
+    length = header_bytes(world_size, namespace, layout_class)
     head = b"".join(
         [
-            _FIXED.pack(MAGIC, FORMAT, world_size, length, data_bytes, h, parent or 0, parent is not None, fingerprint(namespace, layout_class)),
+            _FIXED.pack(MAGIC, FORMAT, world_size, length, data_bytes, h, parent or 0, parent is not None, fingerprint(namespace, layout_class), key_id),
             b"".join(_U64.pack(s) for s in checksums),
             _U16.pack(len(ns)), ns, _U16.pack(len(cls)), cls,
         ]
@@ -76,19 +149,42 @@ def pack_header(world_size: int, data_bytes: int, h: int, parent: int | None, na
     return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
 
 
+def seal(keys: ValueKeys, namespace: str, value: memoryview) -> None:
+    """Writes the tag of a value whose header (all but the tag) and data are in place."""
+    length = _FIXED.unpack_from(value)[3]
+    key = keys.key(keys.signing, namespace)
+    assert key is not None
+    value[length - TAG_BYTES : length] = keys.tag(key, value[: length - TAG_BYTES], value[length:])
+
+
+class Forged(ValueError):
+    """The value's tag does not check out: not made by a daemon holding one of this one's keys."""
+
+
+def verify(keys: ValueKeys, namespace: str, value: bytes | memoryview, length: int, data: Any) -> None:
+    """Raises Forged unless the value's tag is the one its header's key gives over the header and
+    `data` (the value's data, wherever it was copied: what the engine will get is what is checked)."""
+    key_id = _FIXED.unpack_from(value)[9]
+    key = keys.key(key_id, namespace)
+    if key is None:
+        raise Forged(f"signed with key {key_id:016x}, which this daemon does not hold (it holds {', '.join(keys.ids)})")
+    if not hmac.compare_digest(keys.tag(key, value[: length - TAG_BYTES], data), bytes(value[length - TAG_BYTES : length])):
+        raise Forged("its tag does not match its contents: written by something that does not hold the deployment's key")
+
+
 def check_header(value: bytes | memoryview, world_size: int, data_bytes: int, h: int, parent: int | None, namespace: str, layout_class: str) -> tuple[int, list[int]]:
     """(header length, per-rank checksums) when the value's header says exactly what is expected;
-    raises ValueError naming the first field that does not."""
+    raises ValueError naming the first field that does not. The tag is checked apart (verify)."""
     if len(value) < _FIXED.size:
         raise ValueError(f"value of {len(value)} bytes is shorter than a header")
-    magic, version, ws, length, nbytes, vh, vp, has_parent, fp = _FIXED.unpack_from(value)
+    magic, version, ws, length, nbytes, vh, vp, has_parent, fp, _ = _FIXED.unpack_from(value)
     if magic != MAGIC:
         raise ValueError("not a kvdepot block (magic)")
     if version != FORMAT:
         raise ValueError(f"format version {version}, this daemon reads {FORMAT}")
-    if length + 8 > len(value) or length < _FIXED.size + 8:
+    if length > len(value) or length < _FIXED.size + 8 + TAG_BYTES:
         raise ValueError(f"header length {length} does not fit the value")
-    end = length - 8
+    end = length - TAG_BYTES - 8
     if _U64.unpack_from(value, end)[0] != xxhash.xxh3_64_intdigest(bytes(value[:end])):
         raise ValueError("header checksum mismatch")
     if (ws, nbytes) != (world_size, data_bytes):
@@ -123,6 +219,7 @@ class RemoteSettings:
     ttl_s: int = 0  # 0: values live until the store evicts them
     timeout_ms: int = 1000  # one store request (a job's batch)
     connect_timeout_ms: int = 1000
+    keys: ValueKeys | None = field(default=None, repr=False, compare=False)  # None: values cannot be made or read
 
     @staticmethod
     def parse(url: str, **kw: Any) -> RemoteSettings:
@@ -147,6 +244,8 @@ class RemoteStore:
         self.client: Any = None
         self.cluster = False
         self.answered = False  # the last ping was answered
+        self._slot_starts: list[int] = []
+        self._slot_ranges: list[tuple[int, int, str]] = []
         self.error = ""  # why the last ping was not
 
     # -- connection --------------------------------------------------------------------------------
@@ -194,10 +293,37 @@ class RemoteStore:
                 return False
             self.answered = bool(self.client.custom_command(["PING"]))
             self.error = ""
+            if self.cluster:
+                self._learn_slots()
         except Exception as e:
             self.answered = False
             self.error = f"{type(e).__name__}: {e}"
         return self.answered
+
+    def _learn_slots(self) -> None:
+        """Which primary serves which slots (CLUSTER SLOTS), for `by_node`: kept until asked again
+        at the next health check (a moved slot only groups keys less well meanwhile; the client
+        routes every key by its own map)."""
+        try:
+            reply = self.client.custom_command(["CLUSTER", "SLOTS"])
+        except Exception:
+            return
+        ranges = sorted((int(r[0]), int(r[1]), f"{_s(r[2][0])}:{int(r[2][1])}") for r in reply or [])
+        self._slot_starts = [r[0] for r in ranges]
+        self._slot_ranges = ranges
+
+    def by_node(self, keys: Sequence[bytes]) -> list[list[int]]:
+        """The positions of `keys` grouped by the primary that serves them (one group for one
+        server, or while the cluster's slots are not known)."""
+        if not self.cluster or not self._slot_ranges:
+            return [list(range(len(keys)))]
+        groups: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            slot = key_slot(k)
+            j = bisect.bisect_right(self._slot_starts, slot) - 1
+            start, end, node = self._slot_ranges[j] if j >= 0 else (0, -1, "")
+            groups.setdefault(node if start <= slot <= end else "", []).append(i)
+        return list(groups.values())
 
     def _reachable(self) -> bool:
         for host, port in self.settings.addresses:
@@ -319,6 +445,32 @@ class RemoteStore:
                 b.delete([k])
 
         self._batch(fill)
+
+
+def key_slot(key: bytes) -> int:
+    """The cluster slot of a key (CRC16-XMODEM mod 16384, of its {hash tag} when it has one)."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1 : end]
+    crc = 0
+    for byte in key:
+        crc = ((crc << 8) & 0xFF00) ^ _CRC16[((crc >> 8) ^ byte) & 0xFF]
+    return crc & 0x3FFF
+
+
+def _crc16_table() -> list[int]:
+    table = []
+    for i in range(256):
+        crc = i << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+        table.append(crc & 0xFFFF)
+    return table
+
+
+_CRC16 = _crc16_table()
 
 
 def _s(x: Any) -> str:

@@ -1,20 +1,23 @@
 """The remote copy engine: host arena <-> the remote store, on its own thread pool.
 
     submit(jobs)             RemoteJobs from the Depot; returns at once
-    on_done                  (job id, failed, corrupt, present, message), called on the event loop
+    on_done                  (job id, failed, corrupt, present, message, forged), called on the event loop
     held(keys, budget_ms)    how many leading keys the store holds, asked within a budget (a
                              lookup's thread; growing batches, stopping at the first missing key)
     close()                  waits for running jobs
 
   write   one batch asks which blocks the store holds already (another daemon wrote them: not
           sent again), one more sets the others. A value is the header (with the checksums the
-          host tier took when the block left the engine) and the block's bytes.
+          host tier took when the block left the engine), the block's bytes, and the tag (a MAC
+          with the namespace's key) over both.
   read    one batch gets the values; each is checked (every header field, then each rank's data
-          against its checksum, after it was copied into the host cell it is staged in) before it is
-          reported. A corrupt value is deleted from the store. The report comes only after the
-          client returned: nothing writes into a host cell after the core may reuse it.
+          against its checksum and the tag, after it was copied into the host cell it is staged
+          in) before it is reported. A corrupt or forged value is deleted from the store. The
+          report comes only after the client returned: nothing writes into a host cell after the
+          core may reuse it.
 A key that fails (missing, evicted, its node down, the request's timeout) fails that block alone;
-the load it was for recomputes it.
+the load it was for recomputes it. No job takes longer than the store's request timeout: a batch
+that timed out is not asked again key by key.
 """
 
 from __future__ import annotations
@@ -32,13 +35,24 @@ from kvdepotd.core.remote import RemoteJob, RemoteJobKind
 from kvdepotd.storage.checksum import xxh3_at
 from kvdepotd.core.disk import public_class
 from kvdepotd.storage.host_arena import Arenas
-from kvdepotd.storage.remote import RemoteStore, block_key, check_header, header_bytes, pack_header
+from kvdepotd.storage.remote import TAG_BYTES, Forged, RemoteStore, ValueKeys, block_key, check_header, header_bytes, pack_header, seal, verify
 
 log = logging.getLogger("kvdepotd")
-DoneFn = Callable[[int, set[int], set[int], set[int], str], None]
-Result = tuple[set[int], set[int], set[int], str]
+DoneFn = Callable[[int, set[int], set[int], set[int], str, set[int]], None]
+Result = tuple[set[int], set[int], set[int], str, set[int]]  # failed, corrupt, present, message, forged (within corrupt)
 LOOKUP_FIRST = 128  # keys in a lookup's first batch; each next one is 4 times larger
 QUARANTINE_BYTES = 256 << 20  # scratch memory set aside after failed calls before buffered calls stop
+
+
+def timed_out(e: object) -> bool:
+    """The store's client gave up waiting (glide's TimeoutError, or ours)."""
+    return isinstance(e, TimeoutError) or "timeout" in type(e).__name__.lower() or "timed out" in str(e).lower()
+
+
+def detached(e: Exception) -> Exception:
+    """What a raised client error says, without its traceback: the client's frames hold the
+    buffers the call exported (a cycle through them, collected later, crashed the collector)."""
+    return (TimeoutError if timed_out(e) else ConnectionError)(f"{type(e).__name__}: {e}")
 
 
 def address_of(value: bytes | memoryview) -> int:
@@ -107,6 +121,7 @@ class RemoteCopyEngine:
         self.observe = observe or (lambda kind, nbytes, seconds: None)
         self.note = note or (lambda what, n: None)  # failures by kind: timeout, error, missing, corrupt
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-remote")
+        self._fanout = ThreadPoolExecutor(4 * threads, thread_name_prefix="kvdepot-remote-node")  # a job's reads, one per primary
         self._local = threading.local()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -116,7 +131,7 @@ class RemoteCopyEngine:
             return
         if self._closed:
             for job in jobs:
-                self.on_done(job.job_id, {it.hash for it in job.items}, set(), set(), "the daemon is shutting down")
+                self.on_done(job.job_id, {it.hash for it in job.items}, set(), set(), "the daemon is shutting down", set())
             return
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
@@ -130,11 +145,11 @@ class RemoteCopyEngine:
 
     def _done(self, job: RemoteJob, fut: Future[Result]) -> None:
         try:
-            failed, corrupt, present, message = fut.result()
+            failed, corrupt, present, message, forged = fut.result()
         except Exception as e:  # a bug or an error we did not expect: the job's blocks fail
             log.exception("remote %s job %d failed", job.kind.value.lower(), job.job_id)
-            failed, corrupt, present, message = {it.hash for it in job.items}, set(), set(), f"remote store: {e}"
-        self.on_done(job.job_id, failed, corrupt, present, message)
+            failed, corrupt, present, message, forged = {it.hash for it in job.items}, set(), set(), f"remote store: {e}", set()
+        self.on_done(job.job_id, failed, corrupt, present, message, forged)
 
     def _keys(self, job: RemoteJob) -> list[bytes]:
         prefix = self.store.settings.prefix
@@ -143,7 +158,7 @@ class RemoteCopyEngine:
     def _failures(self, results: Sequence[object]) -> None:
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
-            timeouts = sum(1 for r in errors if "timeout" in type(r).__name__.lower() or "timed out" in str(r).lower())
+            timeouts = sum(1 for r in errors if timed_out(r))
             self.note("timeout", timeouts)
             self.note("error", len(errors) - timeouts)
 
@@ -154,13 +169,14 @@ class RemoteCopyEngine:
         try:
             held = self.store.exists(keys)
         except Exception as e:
-            self.note("error", len(keys))
-            return {it.hash for it in job.items}, set(), set(), f"remote store: {e}"
+            self.note("timeout" if timed_out(e) else "error", len(keys))
+            return {it.hash for it in job.items}, set(), set(), f"remote store: {e}", set()
         self._failures(held)
         present: set[int] = {it.hash for it, h in zip(job.items, held) if h is True}
         failed: set[int] = {it.hash for it, h in zip(job.items, held) if isinstance(h, Exception)}
         arena, cls, pub, ws, nbytes = self.arenas.of(job.layout_class), job.layout_class, public_class(job.layout_class), job.world_size, job.block_bytes
         rank_bytes = nbytes // ws
+        keyring = self._keyring()
         items = [(it, key) for it, key in zip(job.items, keys) if it.hash not in present and it.hash not in failed]
         scratch = self._scratch()
         views, addrs = scratch.views([header_bytes(ws, it.owner, pub) + nbytes for it, _ in items])
@@ -170,9 +186,10 @@ class RemoteCopyEngine:
             addr = arena.base + it.host_offset
             sums = [arena.checksums.get((cls, it.host_cell, r)) for r in range(ws)]
             sums2 = [s if s is not None else int(xxh3_at(addr + r * rank_bytes, rank_bytes)) for r, s in enumerate(sums)]
-            head = pack_header(ws, nbytes, it.hash, it.parent, it.owner, pub, sums2)
+            head = pack_header(ws, nbytes, it.hash, it.parent, it.owner, pub, sums2, keyring.signing)
             view[: len(head)] = head
-            ctypes.memmove(dst + len(head), addr, nbytes)
+            ctypes.memmove(dst + len(head) + TAG_BYTES, addr, nbytes)
+            seal(keyring, it.owner, view)
             todo.append((key, view))
             hashes.append(it.hash)
         message, bad = "", []
@@ -189,18 +206,20 @@ class RemoteCopyEngine:
             if bad:
                 message = f"remote store: {next(r for r in results if r is not None)}"
         self.observe("write", (len(todo) - len(bad)) * job.block_bytes, time.perf_counter() - t0)
-        return failed, set(), present, message
+        return failed, set(), present, message, set()
 
     def _read(self, job: RemoteJob) -> Result:
         t0 = time.perf_counter()
         keys = self._keys(job)
         arena, cls, pub, ws, nbytes = self.arenas.of(job.layout_class), job.layout_class, public_class(job.layout_class), job.world_size, job.block_bytes
         if not arena.ensure(max(it.host_offset for it in job.items) + nbytes):
-            return {it.hash for it in job.items}, set(), set(), arena.error
+            return {it.hash for it in job.items}, set(), set(), arena.error, set()
+        keyring = self._keyring()
         values = self._get(job, keys)
         self._failures(values)
         failed: set[int] = set()
         corrupt: set[int] = set()
+        forged: set[int] = set()
         bad_keys: list[bytes] = []
         reasons: list[str] = []
         rank_bytes = nbytes // ws
@@ -227,16 +246,25 @@ class RemoteCopyEngine:
                 bad_keys.append(key)
                 reasons.append("corrupt block in the remote store: data checksum mismatch")
                 continue
+            try:
+                verify(keyring, it.owner, value, length, memoryview((ctypes.c_ubyte * nbytes).from_address(dst)).cast("B"))
+            except Forged as e:
+                corrupt.add(it.hash)
+                forged.add(it.hash)
+                bad_keys.append(key)
+                reasons.append(f"block in the remote store refused: {e}")
+                continue
             for r, s in enumerate(sums):
                 arena.checksums[(cls, it.host_cell, r)] = s
         if corrupt:
-            self.note("corrupt", len(corrupt))
+            self.note("corrupt", len(corrupt) - len(forged))
+            self.note("forged", len(forged))
             try:
                 self.store.delete(bad_keys)
             except Exception:
                 pass  # the next reader finds it corrupt too
         self.observe("read", (len(job.items) - len(failed) - len(corrupt)) * nbytes, time.perf_counter() - t0)
-        return failed, corrupt, set(), reasons[0] if reasons else ""
+        return failed, corrupt, set(), reasons[0] if reasons else "", forged
 
     def _scratch(self) -> Scratch:
         s: Scratch | None = getattr(self._local, "scratch", None)
@@ -244,23 +272,58 @@ class RemoteCopyEngine:
             s = self._local.scratch = Scratch()
         return s
 
+    def _keyring(self) -> ValueKeys:
+        keys = self.store.settings.keys
+        if keys is None:
+            raise RuntimeError("the remote tier has no key (remote_key_file)")
+        return keys
+
     def _get(self, job: RemoteJob, keys: list[bytes]) -> list[bytes | memoryview | None | Exception]:
-        """The job's values: one MGET into this thread's scratch memory (no allocation per value,
-        which costs more than the copy), else, when any part of it failed, a GET per key (a node
-        down fails only its own keys)."""
+        """The job's values: one MGET per primary that serves some of them, the primaries at once,
+        into this thread's scratch memory (no allocation per value, which costs more than the
+        copy). A primary that does not answer in time fails its own keys alone, within one request
+        timeout; one whose MGET failed otherwise is asked again with a GET per key, within what is
+        left of that timeout (a timed-out call is never repeated: it would double the wait)."""
+        end = time.monotonic() + self.store.settings.timeout_ms / 1000
+        out: list[bytes | memoryview | None | Exception] = [None] * len(keys)
+        retry = list(range(len(keys)))
         if Scratch.usable():
             scratch = self._scratch()
-            sizes = [header_bytes(job.world_size, it.owner, public_class(job.layout_class)) + job.block_bytes for it in job.items]
-            views, _ = scratch.views(sizes)
+            views, _ = scratch.views([header_bytes(job.world_size, it.owner, public_class(job.layout_class)) + job.block_bytes for it in job.items])
+
+            def mget(idx: list[int]) -> list[memoryview | None] | Exception:
+                try:
+                    got = self.store.get_into([keys[i] for i in idx], [views[i] for i in idx])
+                except Exception as e:
+                    return detached(e)
+                return [None if n is None else views[i][:n] for i, n in zip(idx, got)]
+
+            groups = self.store.by_node(keys)
+            answers = [mget(groups[0])] if len(groups) == 1 else list(self._fanout.map(mget, groups))
+            retry = []
+            for idx, got in zip(groups, answers):
+                if isinstance(got, Exception):
+                    if timed_out(got):
+                        for i in idx:
+                            out[i] = got
+                    else:
+                        retry += idx
+                else:
+                    for i, view in zip(idx, got):
+                        out[i] = view
+            if any(isinstance(got, Exception) for got in answers):
+                scratch.quarantine()  # a failed call may still write into it: never reused (the views stay valid)
+        if retry:
+            left = int((end - time.monotonic()) * 1000)
             try:
-                got = self.store.get_into(keys, views)
-                return [None if n is None else views[i][:n] for i, n in enumerate(got)]
-            except Exception:
-                scratch.quarantine()  # a failed call may still write into it: never reused
-        try:
-            return list(self.store.get(keys))
-        except Exception as e:
-            return [e] * len(keys)
+                if left <= 0:
+                    raise TimeoutError("the remote store's request timeout passed")
+                got_each: list[bytes | None | Exception] = list(self.store.get([keys[i] for i in retry], timeout_ms=left))
+            except Exception as e:
+                got_each = [detached(e)] * len(retry)
+            for i, v in zip(retry, got_each):
+                out[i] = v
+        return out
 
     # -- lookups ---------------------------------------------------------------------------------------
     def held(self, namespace: str, layout_class: str, hashes: Sequence[int], budget_ms: int) -> int:
@@ -293,3 +356,4 @@ class RemoteCopyEngine:
     async def close(self) -> None:
         self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)
+        self._fanout.shutdown(wait=False)
