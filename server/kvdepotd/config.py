@@ -79,6 +79,7 @@ class DaemonConfig:
     remote_queue_blocks: int = 8192
     remote_threads: int = 2
     remote_recheck_s: float = 10.0
+    remote_prefetch: bool = True
     fault_load_delay_ms: int = 0
     fault_store_delay_ms: int = 0
     fault_corrupt_loads: int = 0
@@ -204,6 +205,9 @@ HELP: dict[str, str] = {
     "remote_queue_blocks": "admitted blocks waiting to be written to the remote store; more are dropped (and counted) "
     "rather than slowing anything. Default 8192",
     "remote_threads": "threads reading from and writing to the remote store. Default 2",
+    "remote_prefetch": "true: the blocks a Lookup finds in the remote store are read into the host tier at once, before "
+    "the engine's Step asks to load them; false: only when the Step asks (for lookups that mostly do not turn into "
+    "loads, such as a router's probes). Default true",
     "remote_recheck_s": "a block the store was seen to hold longer ago than this is asked about again when it is next "
     "used, and written again if the store lost it (a flush, an eviction, a primary restarted empty). Default 10",
     "fault_load_delay_ms": "fault injection for tests: every load waits this long before copying. Default 0",
@@ -386,6 +390,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "remote_queue_blocks": _positive("remote_queue_blocks", int),
     "remote_threads": _positive("remote_threads", int),
     "remote_recheck_s": _positive("remote_recheck_s", float),
+    "remote_prefetch": _bool,
     "fault_load_delay_ms": _positive("fault_load_delay_ms", int, allow_zero=True),
     "fault_store_delay_ms": _positive("fault_store_delay_ms", int, allow_zero=True),
     "fault_corrupt_loads": _positive("fault_corrupt_loads", int, allow_zero=True),

@@ -248,6 +248,7 @@ class Runtime:
             )
             self.metrics.observe_remote_lookup(time.perf_counter() - t0)
             res = self.depot.extend_lookup(engine_id, request_id, pin, res, found)
+            self.pump()  # the reads of what the store holds start now (remote_prefetch)
         return res
 
     def step(self, engine_id: EngineId, step: int, columns: StepColumns, finished: list[RequestId], preempted: list[RequestId]) -> StepPlan:

@@ -175,7 +175,7 @@ def test_values_corrupted_or_deleted_behind_the_daemons_back_are_recomputed(stor
 
 
 def test_a_primary_killed_mid_read_costs_misses_and_the_daemon_serves_on(store: ValkeyCluster) -> None:
-    a, b = node(store), node(store, "--remote-timeout-ms", "300")
+    a, b = node(store), node(store, "--remote-timeout-ms", "300", "--remote-prefetch", "false")  # reads at the Step: after the kill
     try:
         first = stored_on(a)
         e = engine(b)
@@ -214,6 +214,7 @@ def test_a_store_down_at_start_and_back_later(tmp_path: str) -> None:
     try:
         e = engine(a)
         assert not e.client.stats().remote_up
+        assert f"127.0.0.1:{port}: Connection refused" in a.log()  # nothing listens: said so, not "timed out"
         out = e.generate(PROMPT, max_new_tokens=2).output  # serves without the store
         assert e.client.stats().counters["remote_dropped_store_down_blocks"] >= 40
         vc.ports = [port]
@@ -546,7 +547,7 @@ def test_a_read_from_a_dead_primary_fails_within_the_timeout_counted_as_timeout(
     from kvdepot.testing.daemon import free_port
 
     port = free_port()
-    a, b = node(store), node(store, "--metrics-listen", f"127.0.0.1:{port}")
+    a, b = node(store), node(store, "--metrics-listen", f"127.0.0.1:{port}", "--remote-prefetch", "false")  # reads at the Step
     try:
         first = stored_on(a)
         e = engine(b)
@@ -572,4 +573,23 @@ def test_a_read_from_a_dead_primary_fails_within_the_timeout_counted_as_timeout(
         close_engine(e)
     finally:
         store.kill(1, signal.SIGCONT)
+        stop_clean(a, b)
+
+
+def test_a_lookup_starts_reading_what_the_store_holds_before_the_step_asks(store: ValkeyCluster) -> None:
+    """remote_prefetch (the default): the blocks a Lookup finds in the store are read into the
+    node's host tier at once; the Step's load then finds them there, and nothing is read twice."""
+    a, b = node(store), node(store)
+    try:
+        first = stored_on(a)
+        e = engine(b)
+        assert e.client.lookup("probe", PROMPT).by_tier == {"remote": 40 * 16}
+        wait_counter(e.client, "remote_read_blocks", 40)  # no Step yet
+        assert e.client.lookup("probe", PROMPT).by_tier == {"host": 40 * 16}
+        out = e.generate(PROMPT, max_new_tokens=3)
+        assert out.output == first and e.stats.loaded_tokens == 40 * 16 and e.stats.kv_mismatched_tokens == 0
+        c = e.client.stats().counters
+        assert (c["remote_prefetched_blocks"], c["remote_read_blocks"]) == (40, 40)
+        close_engine(e)
+    finally:
         stop_clean(a, b)

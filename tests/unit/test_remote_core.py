@@ -353,3 +353,42 @@ def test_a_block_known_in_the_store_is_asked_about_again_after_recheck_ms_and_pu
     store.run(sim)
     c = sim.depot.all_counters()
     assert (c["remote_relearned_blocks"], store.writes, len(store.held)) == (4, 8, 4)
+
+
+def test_a_lookups_store_hits_are_read_before_the_step_and_its_load_waits_on_those_reads() -> None:
+    toks = prompt(100)
+    b, store = stored_and_written(toks)
+    store.lookup(b, "b", toks)
+    jobs = b.depot.take_remote_jobs()  # the reads start at the Lookup...
+    assert [j.kind for j in jobs] == [RemoteJobKind.READ] and sum(len(j.items) for j in jobs) == 6
+    assert b.depot.all_counters()["remote_prefetched_blocks"] == 6
+    plan = b.step(b.new("b", toks, E=96, S=4, table=list(range(200, 207))))  # ...and the Step comes while they run
+    load = next(op for op in plan.ops if op.kind is OpKind.LOAD)
+    assert load.held and b.depot.take_remote_jobs() == []  # no second read: it waits on the Lookup's
+    for j in jobs:
+        b.depot.remote_job_done(j.job_id, set(), set(), set())
+    b.run_copies()
+    assert all(op.success for op in b.completed(OpKind.LOAD)) and b.states("b")[:6] == [BlockState.LOADED] * 6
+    b.depot.check_invariants()
+
+
+def test_prefetched_blocks_that_arrived_are_loaded_from_the_host_tier_and_a_failed_prefetch_is_read_again() -> None:
+    toks = prompt(100)
+    hs = hashes(toks)
+    b, store = stored_and_written(toks)
+    store.lookup(b, "b", toks)
+    store.run(b, fail={hs[4]})  # the Lookup's reads: all but block 4 arrive
+    assert b.resident(toks) == 4
+    plan = b.step(b.new("b", toks, E=96, S=4, table=list(range(200, 207))))
+    jobs = store.run(b)  # the load reads block 4 itself: only what did not arrive
+    assert [it.hash for j in jobs for it in j.items] == [hs[4]]
+    b.run_copies()
+    assert all(op.success for op in b.completed(OpKind.LOAD)) and len(plan.ops) >= 1
+    b.depot.check_invariants()
+
+
+def test_no_prefetch_when_turned_off() -> None:
+    toks = prompt(100)
+    b, store = stored_and_written(toks, prefetch=False)
+    store.lookup(b, "b", toks)
+    assert b.depot.take_remote_jobs() == []

@@ -5,6 +5,9 @@ a fresh machine).
 
     with ValkeyCluster(primaries=3) as vc:   # vc.url: "valkey://127.0.0.1:p1,127.0.0.1:p2,..."
         vc.kill(1); vc.restart(1)            # a primary down, and back with its slots (and no data)
+    ValkeyCluster(primaries=3, replicas=1)   # and a replica of each (servers 3-5 replicate 0-2)
+        vc.wait_synced(); vc.kill(0); vc.wait_serving()   # a failover
+        i = vc.add_node(); vc.move_slots(slots, src, i)  # a new primary; slots moved with their keys
     remote_args(vc.url)                      # a daemon's flags for it, with the tests' shared key file
 
 Each server keeps its files in its own temporary directory (no persistence: `--save ""`).
@@ -54,6 +57,17 @@ def _remove(path: str) -> None:
 def remote_args(url: str, key: str = "") -> list[str]:
     """The flags that give a daemon the store at `url`, and the deployment's key file."""
     return ["--remote", url, "--remote-key-file", key or key_file()]
+
+
+def key_slot_of(key: bytes) -> int:
+    """The cluster slot of a key without a hash tag (CRC16-XMODEM mod 16384)."""
+    crc = 0
+    for byte in key:
+        crc ^= byte << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
+            crc &= 0xFFFF
+    return crc & 0x3FFF
 
 
 def free_ports(n: int) -> list[int]:
@@ -132,6 +146,7 @@ class ValkeyCluster:
     cluster-require-full-coverage no, so the rest serve while one is down)."""
 
     primaries: int = 3
+    replicas: int = 0  # per primary (cluster only): server primaries + k * primaries + i replicates primary i
     cluster: bool = True
     binary: str = ""  # the server to run (server_binary() when empty)
     maxmemory: str = ""  # e.g. "64mb": with allkeys-lru
@@ -162,13 +177,14 @@ class ValkeyCluster:
 
     def _start_once(self, timeout_s: float) -> ValkeyCluster:
         self.dir = tempfile.mkdtemp(prefix="kvdepot-valkey-")
-        ports = free_ports(2 * self.primaries)  # the bus's default, port + 10000, may not exist
-        self.ports, self.bus_ports = ports[: self.primaries], ports[self.primaries :]
-        self.procs = [None] * self.primaries
+        n = self.primaries * (1 + self.replicas)
+        ports = free_ports(2 * n)  # the bus's default, port + 10000, may not exist
+        self.ports, self.bus_ports = ports[:n], ports[n:]
+        self.procs = [None] * n
         try:
-            for i in range(self.primaries):
+            for i in range(n):
                 self._spawn(i)
-            for i in range(self.primaries):
+            for i in range(n):
                 self._wait_ping(i, timeout_s)
             if self.cluster:
                 self._form(timeout_s)
@@ -217,20 +233,102 @@ class ValkeyCluster:
 
     def _form(self, timeout_s: float) -> None:
         n = self.primaries
-        for i, p in enumerate(self.ports):
+        for i, p in enumerate(self.ports[:n]):
             command(p, "CLUSTER", "ADDSLOTSRANGE", str(i * SLOTS // n), str((i + 1) * SLOTS // n - 1))
         for p in self.ports[1:]:
             command(p, "CLUSTER", "MEET", "127.0.0.1", str(self.ports[0]), str(self.bus_ports[0]))
+        self._wait_all(timeout_s, "the valkey cluster did not form")
+        for r in range(n, len(self.ports)):
+            primary = self.node_id((r - n) % n)
+            end = time.monotonic() + timeout_s
+            while True:  # a replica can follow a primary once it has heard of it
+                try:
+                    command(self.ports[r], "CLUSTER", "REPLICATE", primary)
+                    break
+                except RuntimeError:
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(0.1)
+        if self.replicas:
+            self._wait_all(timeout_s, "the valkey cluster's replicas did not join")
+
+    def _wait_all(self, timeout_s: float, what: str) -> None:
         end = time.monotonic() + timeout_s
-        while not all(self._sees_all(p) for p in self.ports):
+        while not all(self._sees_all(p) for i, p in enumerate(self.ports) if self.procs[i] is not None):
             if time.monotonic() > end:
-                raise RuntimeError("the valkey cluster did not form")
+                raise RuntimeError(what)
             time.sleep(0.05)
 
     def _sees_all(self, port: int) -> bool:
         info = command(port, "CLUSTER", "INFO").decode()
         known = int(info.split("cluster_known_nodes:")[1].split()[0])
-        return "cluster_state:ok" in info and known == self.primaries
+        return "cluster_state:ok" in info and known == len(self.ports)
+
+    def node_id(self, i: int) -> str:
+        return command(self.ports[i], "CLUSTER", "MYID").decode()
+
+    def wait_synced(self, timeout_s: float = 20.0) -> None:
+        """Until every replica has every write its primary took (replication is asynchronous)."""
+        end = time.monotonic() + timeout_s
+        for i, p in enumerate(self.ports):
+            if self.procs[i] is None or b"role:master" not in command(p, "INFO", "replication"):
+                continue
+            while True:
+                info = command(p, "INFO", "replication").decode()
+                offset = int(info.split("master_repl_offset:")[1].split()[0])
+                lags = [int(x.split("offset=")[1].split(",")[0]) for x in info.split() if x.startswith("slave") and "offset=" in x]
+                if all(o >= offset for o in lags):
+                    break
+                if time.monotonic() > end:
+                    raise RuntimeError(f"the replicas of server {i} did not catch up")
+                time.sleep(0.05)
+
+    def wait_serving(self, timeout_s: float = 30.0) -> None:
+        """Until a live node says every slot is served (after a failover: its replica promoted)."""
+        end = time.monotonic() + timeout_s
+        live = [p for i, p in enumerate(self.ports) if self.procs[i] is not None and self.procs[i].poll() is None]  # type: ignore[union-attr]
+        while True:
+            try:
+                slots = command(live[0], "CLUSTER", "SLOTS")
+                covered = sum(int(r[1]) - int(r[0]) + 1 for r in slots if int(r[2][1]) in live)
+                if covered == SLOTS and "cluster_state:ok" in command(live[0], "CLUSTER", "INFO").decode():
+                    return
+            except (OSError, RuntimeError):
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError("the cluster did not serve every slot again")
+            time.sleep(0.1)
+
+    def add_node(self, timeout_s: float = 20.0) -> int:
+        """A new, empty primary joins the cluster (no slots yet); returns its index."""
+        port, bus = free_ports(2)
+        self.ports.append(port)
+        self.bus_ports.append(bus)
+        self.procs.append(None)
+        i = len(self.ports) - 1
+        self._spawn(i)
+        self._wait_ping(i, timeout_s)
+        command(port, "CLUSTER", "MEET", "127.0.0.1", str(self.ports[0]), str(self.bus_ports[0]))
+        self._wait_all(timeout_s, "the new valkey node did not join")
+        return i
+
+    def move_slots(self, slots: list[int], src: int, dst: int) -> int:
+        """Moves `slots` from server `src` to server `dst` with their keys, slot by slot as
+        `valkey-cli --cluster reshard` does (IMPORTING/MIGRATING, MIGRATE, SETSLOT NODE): clients
+        meanwhile get ASK and MOVED. Returns how many keys moved."""
+        src_id, dst_id = self.node_id(src), self.node_id(dst)
+        sp, dp = self.ports[src], self.ports[dst]
+        moved = 0
+        for slot in slots:
+            command(dp, "CLUSTER", "SETSLOT", str(slot), "IMPORTING", src_id)
+            command(sp, "CLUSTER", "SETSLOT", str(slot), "MIGRATING", dst_id)
+            while keys := command(sp, "CLUSTER", "GETKEYSINSLOT", str(slot), "100"):
+                command(sp, "MIGRATE", "127.0.0.1", str(dp), "", "0", "5000", "REPLACE", "KEYS", *keys, timeout_s=10)
+                moved += len(keys)
+            for i, p in enumerate(self.ports):
+                if self.procs[i] is not None and b"role:master" in command(p, "INFO", "replication"):
+                    command(p, "CLUSTER", "SETSLOT", str(slot), "NODE", dst_id)
+        return moved
 
     def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[i]
@@ -245,28 +343,31 @@ class ValkeyCluster:
         self._spawn(i)
         self._wait_ping(i, timeout_s)
         if self.cluster:
-            end = time.monotonic() + timeout_s
-            while not all(self._sees_all(p) for p in self.ports):
-                if time.monotonic() > end:
-                    raise RuntimeError(f"valkey node {i} did not rejoin its cluster")
-                time.sleep(0.05)
+            self._wait_all(timeout_s, f"valkey node {i} did not rejoin its cluster")
 
     def command(self, *args: str | bytes, node: int = 0) -> Any:
         return command(self.ports[node], *args)
 
+    def _live(self) -> list[int]:
+        return [i for i, proc in enumerate(self.procs) if proc is not None and proc.poll() is None]
+
     def node_of(self, key: bytes) -> int:
-        """The index of the primary that holds `key`."""
+        """The index of the primary that serves `key` now."""
         if not self.cluster:
             return 0
-        slot = command(self.ports[0], "CLUSTER", "KEYSLOT", key)
-        n = self.primaries
-        return next(i for i in range(n) if i * SLOTS // n <= slot <= (i + 1) * SLOTS // n - 1)
+        live = self._live()
+        slot = command(self.ports[live[0]], "CLUSTER", "KEYSLOT", key)
+        for r in command(self.ports[live[0]], "CLUSTER", "SLOTS"):
+            if int(r[0]) <= slot <= int(r[1]):
+                return self.ports.index(int(r[2][1]))
+        raise RuntimeError(f"no node serves slot {slot}")
 
     def keys(self, pattern: str = "*") -> list[bytes]:
+        """The keys the live primaries hold (replicas' copies left out)."""
         out: list[bytes] = []
-        for i, p in enumerate(self.ports):
-            if self.procs[i] is not None:
-                out += command(p, "KEYS", pattern)
+        for i in self._live():
+            if b"role:master" in command(self.ports[i], "INFO", "replication"):
+                out += command(self.ports[i], "KEYS", pattern)
         return out
 
     def stop(self) -> None:

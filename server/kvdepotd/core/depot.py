@@ -226,7 +226,12 @@ class Depot:
             self.remote.absent(eng.domain.layout_class, q[found:])
         if pin is None:
             return res
-        return lookup.extend(eng, request_id, pin, found, res, self.counters)
+        out = lookup.extend(eng, request_id, pin, found, res, self.counters)
+        if found and out.remote_tokens and q[0] in pin.chain:  # the chain runs from block 0: it has every parent
+            at = pin.chain.index(q[0])
+            parents = [pin.chain[at - 1] if at else None, *q[: found - 1]]
+            self.remote.prefetch(eng.domain, list(zip(q[:found], parents)), eng.namespace)
+        return out
 
     def _check_pin_caps(self, eng: Engine, request_id: RequestId, tokens: int) -> None:
         """Raises ResourceExhausted, naming the cap, when the lookup's pin would take the engine or its

@@ -30,7 +30,7 @@ COUNTERS = (
     "disk_full", "disk_evictions", "disk_write_missed_blocks", "disk_blocks_over_share",
     "lookup_remote_hit_tokens", "remote_lookups", "remote_lookup_hits", "remote_queued_blocks", "remote_written_blocks", "remote_write_skipped_blocks",
     "remote_write_failed_blocks", "remote_read_blocks", "remote_read_failed_blocks", "remote_checksum_failures",
-    "remote_dropped_store_down_blocks", "remote_dropped_queue_full_blocks", "remote_dropped_evicted_blocks", "remote_relearned_blocks",
+    "remote_dropped_store_down_blocks", "remote_dropped_queue_full_blocks", "remote_dropped_evicted_blocks", "remote_relearned_blocks", "remote_prefetched_blocks",
     "remote_forged_blocks",
 )
 

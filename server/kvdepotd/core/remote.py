@@ -12,6 +12,8 @@ Primitives (called by the Depot and the planners on the event loop, one at a tim
     offer(dom, hash)                 queues an admitted host block for writing, or drops it
                                      (counted by reason: the store is down, the queue is full)
     stage(dom, hash, parent, owner)  a host cell the block is read into for a load, or None
+    prefetch(dom, blocks, owner)     reads blocks a Lookup found in the store into the host tier
+                                     before the Step asks for them (its load then waits on the read)
     is_staging(dom, hash) / wait(dom, hash, op, position)   as for the disk tier
     take_jobs() -> [RemoteJob]       reads, and writes up to `jobs_in_flight` at once
     job_done(job_id, failed, corrupt, present, message) -> [(Op, rank)]   the store's report
@@ -45,6 +47,7 @@ class RemoteConfig:
     jobs_in_flight: int = 4  # write jobs at once, all layout classes
     lookup_blocks: int = 4096  # the most blocks one lookup asks the store about
     known_blocks: int = 1 << 20  # hashes remembered as held by the store
+    prefetch: bool = True  # a Lookup's store hits are read into the host tier at once
     # A block the store was known to hold this long ago is asked about again when it is next used
     # (one pipelined EXISTS in its write job; written when gone): the store may have evicted it,
     # been flushed, or lost a primary since, and nothing tells a daemon so.
@@ -178,6 +181,27 @@ class RemotePlanner:
 
     def wait(self, dom: Domain, h: BlockHash, op: Op, pos: int) -> None:
         self._staging[dom.layout_class, h].append((op, pos))
+
+    def prefetch(self, dom: Domain, blocks: list[tuple[BlockHash, BlockHash | None]], owner: str) -> int:
+        """Reads `blocks` (hash, parent), which a Lookup just found in the store, into fresh host
+        cells now, in jobs of half a job's size (as a load cuts its reads), so that the Step's load
+        finds them there or on their way (it waits on the same read). A block some tier already
+        has or stages is left alone; no host cell stops it. Returns how many reads it started."""
+        if not self.config.prefetch:
+            return 0
+        host, items = dom.registry, []
+        for h, parent in blocks:
+            if host.state_of(h) is not None or (dom.disk is not None and dom.disk.state_of(h) is not None):
+                continue
+            it = self.stage(dom, h, parent, owner)
+            if it is None:
+                break
+            items.append(it)
+        n = max(1, self.config.job_blocks // 2)
+        for k in range(0, len(items), n):
+            self.read(dom, items[k : k + n])
+        self.counters["remote_prefetched_blocks"] += len(items)
+        return len(items)
 
     def read(self, dom: Domain, items: list[RemoteItem]) -> None:
         self._job(RemoteJobKind.READ, dom, items)

@@ -40,6 +40,7 @@ import functools
 import hmac
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ FORMAT = 2
 _FIXED = struct.Struct("<8sHHIQQQB7xQQ")
 TAG_BYTES = 32
 MIN_SECRET_CHARS = 32
+SILENT_S = 1.0  # a node whose request timed out is not asked again for this long (one health check)
 _U64 = struct.Struct("<Q")
 _U16 = struct.Struct("<H")
 
@@ -244,6 +246,7 @@ class RemoteStore:
         self.client: Any = None
         self.cluster = False
         self.answered = False  # the last ping was answered
+        self._silent: dict[str, float] = {}  # node -> until when its keys fail at once
         self._slot_starts: list[int] = []
         self._slot_ranges: list[tuple[int, int, str]] = []
         self.error = ""  # why the last ping was not
@@ -286,11 +289,13 @@ class RemoteStore:
         `error` says why not. While it does not answer, no command goes to the client until a seed
         address accepts a connection again (the client prints a line for every failed command)."""
         try:
+            if self.client is None or not self.answered:
+                refused = self._unreachable()
+                if refused:
+                    self.answered, self.error = False, refused
+                    return False
             if self.client is None:
                 self.connect()
-            elif not self.answered and not self._reachable():
-                self.error = "no address of the store accepts a connection"
-                return False
             self.answered = bool(self.client.custom_command(["PING"]))
             self.error = ""
             if self.cluster:
@@ -312,27 +317,38 @@ class RemoteStore:
         self._slot_starts = [r[0] for r in ranges]
         self._slot_ranges = ranges
 
-    def by_node(self, keys: Sequence[bytes]) -> list[list[int]]:
-        """The positions of `keys` grouped by the primary that serves them (one group for one
-        server, or while the cluster's slots are not known)."""
+    def by_node(self, keys: Sequence[bytes]) -> dict[str, list[int]]:
+        """The positions of `keys` grouped by the primary that serves them, named "host:port" ("" for
+        one server, or while the cluster's slots are not known)."""
         if not self.cluster or not self._slot_ranges:
-            return [list(range(len(keys)))]
+            return {"": list(range(len(keys)))}
         groups: dict[str, list[int]] = {}
         for i, k in enumerate(keys):
             slot = key_slot(k)
             j = bisect.bisect_right(self._slot_starts, slot) - 1
             start, end, node = self._slot_ranges[j] if j >= 0 else (0, -1, "")
             groups.setdefault(node if start <= slot <= end else "", []).append(i)
-        return list(groups.values())
+        return groups
 
-    def _reachable(self) -> bool:
+    def silent(self, node: str) -> bool:
+        """The node's last request timed out within the last SILENT_S: its keys fail at once
+        meanwhile, instead of each job waiting out its own timeout on a node that does not answer."""
+        return time.monotonic() < self._silent.get(node, 0.0)
+
+    def timed_out(self, node: str) -> None:
+        self._silent[node] = time.monotonic() + SILENT_S
+
+    def _unreachable(self) -> str:
+        """Why no address of the store accepts a connection ("" when one does): a store with
+        nothing listening is told apart from one that does not answer in time."""
+        why = []
         for host, port in self.settings.addresses:
             try:
                 socket.create_connection((host, port), timeout=0.2).close()
-                return True
-            except OSError:
-                continue
-        return False
+                return ""
+            except OSError as e:
+                why.append(f"{host}:{port}: {e.strerror or type(e).__name__}")
+        return "no address accepts a connection: " + "; ".join(why)
 
     def close(self) -> None:
         if self.client is not None:

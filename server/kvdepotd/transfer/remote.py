@@ -41,12 +41,17 @@ log = logging.getLogger("kvdepotd")
 DoneFn = Callable[[int, set[int], set[int], set[int], str, set[int]], None]
 Result = tuple[set[int], set[int], set[int], str, set[int]]  # failed, corrupt, present, message, forged (within corrupt)
 LOOKUP_FIRST = 128  # keys in a lookup's first batch; each next one is 4 times larger
+READ_THREADS = 8  # read jobs at once (a load of 8 jobs of 16 blocks: a 4096-token prompt of 32-token blocks)
 QUARANTINE_BYTES = 256 << 20  # scratch memory set aside after failed calls before buffered calls stop
 
 
 def timed_out(e: object) -> bool:
     """The store's client gave up waiting (glide's TimeoutError, or ours)."""
     return isinstance(e, TimeoutError) or "timeout" in type(e).__name__.lower() or "timed out" in str(e).lower()
+
+
+class Skipped(TimeoutError):
+    """Keys not asked for: their node timed out a moment ago (RemoteStore.silent)."""
 
 
 def detached(e: Exception) -> Exception:
@@ -120,8 +125,11 @@ class RemoteCopyEngine:
         self.store = store
         self.observe = observe or (lambda kind, nbytes, seconds: None)
         self.note = note or (lambda what, n: None)  # failures by kind: timeout, error, missing, corrupt
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-remote")
-        self._fanout = ThreadPoolExecutor(4 * threads, thread_name_prefix="kvdepot-remote-node")  # a job's reads, one per primary
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-remote")  # writes
+        # Reads wait on the store most of their time (the copies and checks let go of the GIL): a
+        # load's jobs all start at once, rather than one waiting out another's timeout.
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvdepot-remote-read")
+        self._fanout = ThreadPoolExecutor(2 * READ_THREADS, thread_name_prefix="kvdepot-remote-node")  # a job's other primaries
         self._local = threading.local()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -141,7 +149,10 @@ class RemoteCopyEngine:
             def finished(fut: Future[Result], job: RemoteJob = job) -> None:
                 loop.call_soon_threadsafe(self._done, job, fut)
 
-            self._pool.submit(self._write if job.kind is RemoteJobKind.WRITE else self._read, job).add_done_callback(finished)
+            if job.kind is RemoteJobKind.WRITE:
+                self._pool.submit(self._write, job).add_done_callback(finished)
+            else:
+                self._readers.submit(self._read, job).add_done_callback(finished)
 
     def _done(self, job: RemoteJob, fut: Future[Result]) -> None:
         try:
@@ -291,17 +302,22 @@ class RemoteCopyEngine:
             scratch = self._scratch()
             views, _ = scratch.views([header_bytes(job.world_size, it.owner, public_class(job.layout_class)) + job.block_bytes for it in job.items])
 
-            def mget(idx: list[int]) -> list[memoryview | None] | Exception:
+            def mget(node: str, idx: list[int]) -> list[memoryview | None] | Exception:
+                if self.store.silent(node):
+                    return Skipped(f"primary {node or 'of the store'} did not answer its last request in time")
                 try:
                     got = self.store.get_into([keys[i] for i in idx], [views[i] for i in idx])
                 except Exception as e:
+                    if timed_out(e):
+                        self.store.timed_out(node)
                     return detached(e)
                 return [None if n is None else views[i][:n] for i, n in zip(idx, got)]
 
             groups = self.store.by_node(keys)
-            answers = [mget(groups[0])] if len(groups) == 1 else list(self._fanout.map(mget, groups))
+            others = [self._fanout.submit(mget, node, idx) for node, idx in list(groups.items())[1:]]
+            answers = [mget(*next(iter(groups.items()))), *(f.result() for f in others)]
             retry = []
-            for idx, got in zip(groups, answers):
+            for idx, got in zip(groups.values(), answers):
                 if isinstance(got, Exception):
                     if timed_out(got):
                         for i in idx:
@@ -311,7 +327,7 @@ class RemoteCopyEngine:
                 else:
                     for i, view in zip(idx, got):
                         out[i] = view
-            if any(isinstance(got, Exception) for got in answers):
+            if any(isinstance(got, Exception) and not isinstance(got, Skipped) for got in answers):
                 scratch.quarantine()  # a failed call may still write into it: never reused (the views stay valid)
         if retry:
             left = int((end - time.monotonic()) * 1000)
@@ -356,4 +372,5 @@ class RemoteCopyEngine:
     async def close(self) -> None:
         self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)
+        await asyncio.to_thread(self._readers.shutdown, wait=True)
         self._fanout.shutdown(wait=False)
