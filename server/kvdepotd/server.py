@@ -109,7 +109,8 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         disk_slab_bytes=cfg.disk_slab_mib << 20,
         disk=DiskConfig(policy=cfg.disk_policy, admit_after=cfg.disk_admit_after, admit_window_ms=int(cfg.disk_admit_window_s * 1000)),
         remote=RemoteConfig(
-            enabled=bool(cfg.remote), queue_blocks=cfg.remote_queue_blocks, recheck_ms=int(cfg.remote_recheck_s * 1000), prefetch=cfg.remote_prefetch
+            enabled=bool(cfg.remote), queue_blocks=cfg.remote_queue_blocks, jobs_in_flight=2 * cfg.remote_threads,  # one waiting per thread
+            recheck_ms=int(cfg.remote_recheck_s * 1000), prefetch=cfg.remote_prefetch,
         ),
         first_op_id=time.time_ns() // 1000,  # microseconds: above every id an earlier daemon handed out
     )

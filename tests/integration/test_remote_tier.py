@@ -145,8 +145,11 @@ def test_a_tenant_never_sees_another_tenants_blocks_through_the_store(store: Val
         stop_clean(a, b)
 
 
-def test_values_corrupted_or_deleted_behind_the_daemons_back_are_recomputed(store: ValkeyCluster) -> None:
-    a, b = node(store), node(store)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_values_corrupted_or_deleted_behind_the_daemons_back_are_recomputed(store: ValkeyCluster, prefetch: bool) -> None:
+    """Found damaged when the load reads it, or (remote_prefetch) when the Lookup's own read does:
+    then the engine's Lookup matches only the blocks before it, and nothing fails at load time."""
+    a, b = node(store), node(store, "--remote-prefetch", str(prefetch).lower())
     try:
         first = stored_on(a)
         keys = sorted(store.keys("kvdepot:*"))
@@ -163,12 +166,17 @@ def test_values_corrupted_or_deleted_behind_the_daemons_back_are_recomputed(stor
         store.command("SET", k10, bytes(flipped), node=n10)
         store.command("DEL", k20, node=store.node_of(k20))
         assert e.client.lookup("probe", PROMPT).matched_tokens == 20 * 16  # the match stops at the deleted block
+        if prefetch:
+            wait_counter(e.client, "remote_read_blocks", 19)  # the Lookup's reads: 19 good, block 10 corrupt
         out = e.generate(PROMPT, max_new_tokens=3)
         assert out.output == first and e.stats.kv_mismatched_tokens == 0
-        assert e.stats.failed_load_blocks == 1  # block 10: the engine recomputes from there
+        if prefetch:
+            assert (e.stats.loaded_tokens, e.stats.failed_load_blocks) == (10 * 16, 0)  # blocks 0-9, from the host tier
+        else:
+            assert e.stats.failed_load_blocks == 1  # block 10: the engine recomputes from there
         c = e.client.stats().counters
         assert c["remote_checksum_failures"] == 1
-        assert store.command("EXISTS", k10, node=n10) == 0  # the corrupt value was deleted
+        assert store.command("GET", k10, node=n10) != bytes(flipped)  # the corrupt value was deleted (b may have written its own since)
         close_engine(e)
     finally:
         stop_clean(a, b)
@@ -446,7 +454,7 @@ def forge(store: ValkeyCluster, i: int, namespace: str = "", as_namespace: str =
 def test_a_value_forged_by_a_writer_without_the_key_is_refused_deleted_and_counted(store: ValkeyCluster) -> None:
     """Checksums catch accidents, not writers: a value whose data was changed and every checksum
     recomputed fails its MAC, and the engine recomputes the block instead of getting wrong KV."""
-    a, b = node(store), node(store)
+    a, b = node(store), node(store, "--remote-prefetch", "false")  # read at the load (the corrupt test covers both)
     try:
         first = stored_on(a)
         key, forged = forge(store, 10)

@@ -631,7 +631,7 @@ class Depot:
         return self.remote.take_jobs()
 
     def remote_job_done(
-        self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "", forged: set[BlockHash] = frozenset()  # type: ignore[assignment]
+        self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "", forged: set[BlockHash] | None = None
     ) -> None:
         """The store's report of one job (RemotePlanner.job_done)."""
         self._ready += self.remote.job_done(job_id, failed, corrupt, present, message, forged)

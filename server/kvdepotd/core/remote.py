@@ -220,7 +220,7 @@ class RemotePlanner:
         return ready
 
     def job_done(
-        self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "", forged: set[BlockHash] = frozenset()  # type: ignore[assignment]
+        self, job_id: int, failed: set[BlockHash], corrupt: set[BlockHash], present: set[BlockHash], message: str = "", forged: set[BlockHash] | None = None
     ) -> list[tuple[Op, int]]:
         """The store's report of one job. WRITE: `present` blocks were there already (not written
         again), `failed` ones were not written. READ: `failed` blocks did not arrive (missing,
@@ -228,6 +228,7 @@ class RemotePlanner:
         `forged` among them, a MAC that does not check out; the storage deleted them from the store)."""
         job, dom = self.jobs.pop(job_id)
         host, cls, c = dom.registry, dom.layout_class, self.counters
+        forged = forged or set()
         if job.kind is RemoteJobKind.WRITE:
             self.writes_in_flight -= 1
             for it in job.items:
