@@ -13,7 +13,7 @@ Throughput: an engine (FakeEngine, real KV bytes in shared memory) on daemon A c
 run: `write` is the time from that run's start until A reports every block written to the store.
 A fresh engine on daemon B then looks the prompt up: `read` is the time from that Lookup's start
 until B reports every block read into its host tier (the Lookup finds them in the store and starts
-the reads at once, remote_prefetch; every header, checksum and MAC checked), and the engine then
+the reads at once: remote_prefetch on for this part; every header, checksum and MAC checked), and the engine then
 generates the prompt from B (checked byte for byte, not timed). The baseline is the glide client's
 own non-atomic batch of SETs, and MGET, of values of the same size, the same number of them.
 Targets: >= 1.0x of the baseline both ways.
@@ -139,7 +139,8 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"block_bytes": lay.block_bytes, "blocks": n, "repeat": args.repeat}
     writes, reads, set_gbs, get_gbs, lookups = [], [], [], [], []
     with ValkeyCluster(primaries=3) as vc:
-        common = ["--host-gib", host_gib, *remote_args(vc.url), "--disk-admit-after", "2", *args.daemon_arg]
+        # remote_prefetch: B's Lookup starts the reads, timed from its start (the Step's loads then find them)
+        common = ["--host-gib", host_gib, *remote_args(vc.url), "--disk-admit-after", "2", "--remote-prefetch", "true", *args.daemon_arg]
         with DaemonProcess(args=common) as a, DaemonProcess(args=common) as b:
             for r in range(args.repeat + 1):  # the first round warms up (code paths, page faults), not counted
                 toks = list(range(1_000_000 * (r + 1), 1_000_000 * (r + 1) + n * 16 + 1))

@@ -79,7 +79,7 @@ class DaemonConfig:
     remote_queue_blocks: int = 8192
     remote_threads: int = 2
     remote_recheck_s: float = 10.0
-    remote_prefetch: bool = True
+    remote_prefetch: bool = False
     fault_load_delay_ms: int = 0
     fault_store_delay_ms: int = 0
     fault_corrupt_loads: int = 0
@@ -206,8 +206,8 @@ HELP: dict[str, str] = {
     "rather than slowing anything. Default 8192",
     "remote_threads": "threads reading from and writing to the remote store. Default 2",
     "remote_prefetch": "true: the blocks a Lookup finds in the remote store are read into the host tier at once, before "
-    "the engine's Step asks to load them; false: only when the Step asks (for lookups that mostly do not turn into "
-    "loads, such as a router's probes). Default true",
+    "the engine's Step asks to load them (for engines whose requests wait between their Lookup and their first Step); "
+    "false (the default): when the Step asks. A single vLLM request was no faster with it (docs/performance.md)",
     "remote_recheck_s": "a block the store was seen to hold longer ago than this is asked about again when it is next "
     "used, and written again if the store lost it (a flush, an eviction, a primary restarted empty). Default 10",
     "fault_load_delay_ms": "fault injection for tests: every load waits this long before copying. Default 0",

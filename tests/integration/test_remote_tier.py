@@ -585,9 +585,9 @@ def test_a_read_from_a_dead_primary_fails_within_the_timeout_counted_as_timeout(
 
 
 def test_a_lookup_starts_reading_what_the_store_holds_before_the_step_asks(store: ValkeyCluster) -> None:
-    """remote_prefetch (the default): the blocks a Lookup finds in the store are read into the
-    node's host tier at once; the Step's load then finds them there, and nothing is read twice."""
-    a, b = node(store), node(store)
+    """remote_prefetch: the blocks a Lookup finds in the store are read into the node's host tier at
+    once; the Step's load then finds them there, and nothing is read twice."""
+    a, b = node(store), node(store, "--remote-prefetch", "true")
     try:
         first = stored_on(a)
         e = engine(b)

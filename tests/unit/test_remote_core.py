@@ -357,7 +357,7 @@ def test_a_block_known_in_the_store_is_asked_about_again_after_recheck_ms_and_pu
 
 def test_a_lookups_store_hits_are_read_before_the_step_and_its_load_waits_on_those_reads() -> None:
     toks = prompt(100)
-    b, store = stored_and_written(toks)
+    b, store = stored_and_written(toks, prefetch=True)
     store.lookup(b, "b", toks)
     jobs = b.depot.take_remote_jobs()  # the reads start at the Lookup...
     assert [j.kind for j in jobs] == [RemoteJobKind.READ] and sum(len(j.items) for j in jobs) == 6
@@ -375,7 +375,7 @@ def test_a_lookups_store_hits_are_read_before_the_step_and_its_load_waits_on_tho
 def test_prefetched_blocks_that_arrived_are_loaded_from_the_host_tier_and_a_failed_prefetch_is_read_again() -> None:
     toks = prompt(100)
     hs = hashes(toks)
-    b, store = stored_and_written(toks)
+    b, store = stored_and_written(toks, prefetch=True)
     store.lookup(b, "b", toks)
     store.run(b, fail={hs[4]})  # the Lookup's reads: all but block 4 arrive
     assert b.resident(toks) == 4
@@ -387,8 +387,8 @@ def test_prefetched_blocks_that_arrived_are_loaded_from_the_host_tier_and_a_fail
     b.depot.check_invariants()
 
 
-def test_no_prefetch_when_turned_off() -> None:
+def test_no_prefetch_by_default() -> None:
     toks = prompt(100)
-    b, store = stored_and_written(toks, prefetch=False)
+    b, store = stored_and_written(toks)
     store.lookup(b, "b", toks)
     assert b.depot.take_remote_jobs() == []

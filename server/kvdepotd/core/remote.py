@@ -47,7 +47,7 @@ class RemoteConfig:
     jobs_in_flight: int = 4  # write jobs at once, all layout classes
     lookup_blocks: int = 4096  # the most blocks one lookup asks the store about
     known_blocks: int = 1 << 20  # hashes remembered as held by the store
-    prefetch: bool = True  # a Lookup's store hits are read into the host tier at once
+    prefetch: bool = False  # a Lookup's store hits are read into the host tier at once (remote_prefetch)
     # A block the store was known to hold this long ago is asked about again when it is next used
     # (one pipelined EXISTS in its write job; written when gone): the store may have evicted it,
     # been flushed, or lost a primary since, and nothing tells a daemon so.
