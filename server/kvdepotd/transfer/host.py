@@ -250,44 +250,51 @@ class HostCopyEngine(EngineParts, CopyEngine):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.store_nice)
             except (OSError, AttributeError) as e:
                 log.warning("store copy thread: cannot lower its priority (%s); stores run like loads", e)
-        while True:
-            with self._cond:
-                got = self._take(queue)
-            if got is None:
-                return
-            part, batch, first = got
-            try:
-                failed, corrupt, message = self._copy(part, batch, first)
-            except Exception as e:  # a bug in a copy: its blocks fail, the daemon serves on
-                log.exception("copy of op %d failed", part.plan.op_id)
-                failed, corrupt, message = [w[0] for w in batch], [], f"copy failed: {e}"
-            assert self._loop is not None
-            if part.phase == "verify":  # its copy is ordered now, before the part's last batch is checked
-                bad = {*failed, *corrupt}
-                self._loop.call_soon_threadsafe(self._engine_batch, part, tuple(w for w in batch if w[0] not in bad))
-            with self._cond:
-                part.failed += failed
-                part.corrupt += corrupt
-                part.message = part.message or message
-                part.running -= 1
-                if part.running or part.taken < len(part.work):
-                    continue
-                if part.phase:  # an engine-copy part's pass: what comes next is the event loop's
-                    self._loop.call_soon_threadsafe(self._engine_next, part)
-                    continue
-                rung = part.checking  # a late-checked load in its check pass rang when its copy pass ended
-                late = part.plan.check_late and not part.checking
-                check_next = late and getattr(part.mapping, "packed", None) is None  # copied: the engine may go on; now check
-                if check_next:
-                    part.checking, part.taken = True, 0
-                    self._loads.append(part)
-                    self._cond.notify_all()
-            if part.plan.kind is OpKind.LOAD and not rung:  # straight to the worker, ahead of the event loop's report
-                part.mapping.ring(part.plan.op_id, intact=not (check_next or part.failed or part.corrupt))
-            if late:
-                self._loop.call_soon_threadsafe(self._part_copied, part)
-            if not check_next:
-                self._loop.call_soon_threadsafe(self._part_done, part)
+        while self._run_one(queue):
+            pass  # the batch's part, and the engine mapping it holds, go with each call's frame
+
+    def _run_one(self, queue: deque[_Part]) -> bool:
+        """Copies one batch; False once closing. A thread waiting for work holds nothing of its
+        last batch: a gone engine's mapping must not stay open (and its memory mapped) in an idle
+        thread's locals until the thread copies something else."""
+        with self._cond:
+            got = self._take(queue)
+        if got is None:
+            return False
+        part, batch, first = got
+        try:
+            failed, corrupt, message = self._copy(part, batch, first)
+        except Exception as e:  # a bug in a copy: its blocks fail, the daemon serves on
+            log.exception("copy of op %d failed", part.plan.op_id)
+            failed, corrupt, message = [w[0] for w in batch], [], f"copy failed: {e}"
+        assert self._loop is not None
+        if part.phase == "verify":  # its copy is ordered now, before the part's last batch is checked
+            bad = {*failed, *corrupt}
+            self._loop.call_soon_threadsafe(self._engine_batch, part, tuple(w for w in batch if w[0] not in bad))
+        with self._cond:
+            part.failed += failed
+            part.corrupt += corrupt
+            part.message = part.message or message
+            part.running -= 1
+            if part.running or part.taken < len(part.work):
+                return True
+            if part.phase:  # an engine-copy part's pass: what comes next is the event loop's
+                self._loop.call_soon_threadsafe(self._engine_next, part)
+                return True
+            rung = part.checking  # a late-checked load in its check pass rang when its copy pass ended
+            late = part.plan.check_late and not part.checking
+            check_next = late and getattr(part.mapping, "packed", None) is None  # copied: the engine may go on; now check
+            if check_next:
+                part.checking, part.taken = True, 0
+                self._loads.append(part)
+                self._cond.notify_all()
+        if part.plan.kind is OpKind.LOAD and not rung:  # straight to the worker, ahead of the event loop's report
+            part.mapping.ring(part.plan.op_id, intact=not (check_next or part.failed or part.corrupt))
+        if late:
+            self._loop.call_soon_threadsafe(self._part_copied, part)
+        if not check_next:
+            self._loop.call_soon_threadsafe(self._part_done, part)
+        return True
 
     def _part_copied(self, part: _Part) -> None:
         if self.on_copied is not None:
