@@ -55,6 +55,7 @@ class DaemonConfig:
     max_pins_per_engine: int = 8192
     max_pins_per_namespace: int = 32768
     max_pin_tokens_per_namespace: int = 64 << 20
+    max_slot_tokens_per_namespace: int = 64 << 20
     max_rank_gib: float = 0.0
     drain_grace_s: float = 10.0
     log_level: str = "info"
@@ -166,6 +167,8 @@ HELP: dict[str, str] = {
     "max_pins_per_namespace": "most Lookup pins all engines of one namespace may hold. Default 32768",
     "max_pin_tokens_per_namespace": "most prompt tokens the Lookup pins of one namespace may keep (about 8 bytes of "
     "daemon memory a token). Default 67108864",
+    "max_slot_tokens_per_namespace": "most tokens the request slots of one namespace may keep (about 11 bytes of daemon "
+    "memory a token with its block hashes); a Step past it is refused whole. Default 67108864",
     "max_rank_gib": "most CPU memory one worker rank may register, in GiB, and the largest file or memfd behind it "
     "(only the registered range is ever mapped). 0 (the default): the machine's memory",
     "drain_grace_s": "on SIGTERM, seconds to let in-flight RPCs and ops finish. Default 10",
@@ -366,6 +369,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_pins_per_engine": _positive("max_pins_per_engine", int),
     "max_pins_per_namespace": _positive("max_pins_per_namespace", int),
     "max_pin_tokens_per_namespace": _positive("max_pin_tokens_per_namespace", int),
+    "max_slot_tokens_per_namespace": _positive("max_slot_tokens_per_namespace", int),
     "max_rank_gib": _positive("max_rank_gib", float, allow_zero=True),
     "drain_grace_s": _positive("drain_grace_s", float, allow_zero=True),
     "log_level": _choice(*LOG_LEVELS),

@@ -103,7 +103,8 @@ def depot_config(cfg: DaemonConfig) -> DepotConfig:
         namespace_host_share=cfg.namespace_host_share,
         namespace_disk_share=cfg.namespace_disk_share,
         caps=Caps(
-            cfg.max_slots_per_engine, cfg.max_slots_per_namespace, cfg.max_pins_per_engine, cfg.max_pins_per_namespace, cfg.max_pin_tokens_per_namespace
+            cfg.max_slots_per_engine, cfg.max_slots_per_namespace, cfg.max_pins_per_engine, cfg.max_pins_per_namespace, cfg.max_pin_tokens_per_namespace,
+            cfg.max_slot_tokens_per_namespace,
         ),
         disk_bytes=cfg.disk_bytes,
         disk_slab_bytes=cfg.disk_slab_mib << 20,

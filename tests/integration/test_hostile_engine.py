@@ -175,3 +175,46 @@ def test_the_daemon_raises_its_descriptor_limit(depot: DaemonProcess) -> None:
         soft, hard = next(line.split()[3:5] for line in f if line.startswith("Max open files"))
     _, own_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert soft == hard and int(soft) >= min(own_hard, 1 << 20)
+
+
+def test_the_tokens_a_namespaces_slots_keep_are_capped_and_a_step_past_it_changes_nothing() -> None:
+    """Slots were capped by count only: ten new 1e6-token requests grew a daemon by over 100 MiB.
+    A Step whose tokens would take the namespace's slots past max_slot_tokens_per_namespace is
+    refused whole, naming the cap; finishing requests makes room; decode growth counts too."""
+    from kvdepot import StepBatch
+    from kvdepot.errors import ResourceExhausted
+
+    lay = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16)
+    with DaemonProcess(args=["--max-slot-tokens-per-namespace", "200000"]) as d:
+        c = DepotClient(d.tcp, strict=True, deadline_s=10.0)
+        c.register_engine("hog", lay)
+        other = DepotClient(d.tcp, strict=True, deadline_s=10.0)
+        other.register_engine("hog-2", lay)  # another engine of the same namespace shares the cap
+
+        def new(client: DepotClient, rid: str, n: int) -> None:
+            b = StepBatch()
+            b.new(rid, list(range(n)), list(range(-(-n // 16))), computed=0, scheduled=0)  # nothing computed: no stores to wait for
+            client.step(b)
+
+        new(c, "a", 90_000)
+        new(other, "b", 90_000)
+        with pytest.raises(ResourceExhausted, match=r"holds 180000 tokens in request slots.*max_slot_tokens_per_namespace"):
+            new(c, "c", 30_000)
+        assert c.stats().slots == 2  # nothing of the refused step was applied
+        b = StepBatch()
+        b.finished.append("a")
+        c.step(b)  # finishing makes room
+        new(c, "c", 30_000)
+        b = StepBatch()
+        b.cached("c", list(range(30_000, 111_000)), list(range(1875, 6938)), computed=0, scheduled=0)
+        with pytest.raises(ResourceExhausted, match="max_slot_tokens_per_namespace"):  # 90k + 30k held, 81k more
+            c.step(b)
+        assert c.stats().slots == 2 and d.alive
+        b = StepBatch()
+        b.cached("c", list(range(30_000, 100_000)), list(range(1875, 6250)), computed=0, scheduled=0)
+        c.step(b)  # 70k more fits (190k)...
+        with pytest.raises(ResourceExhausted, match="holds 190000 tokens"):  # ...and counts: a 20k request no longer does
+            new(other, "d", 20_000)
+        c.close()
+        other.close()
+    assert "Traceback" not in d.log()

@@ -94,7 +94,9 @@ def check_invariants(
         for p in eng.pins.values():
             for h, on_disk in zip(p.hashes, p.on_disk):
                 (disk_pins if on_disk else host_pins)[h] += 1
+        assert eng.slot_tokens == sum(s.counted for s in eng.slots.values()), "slot tokens out of step"
         for slot in eng.slots.values():
+            assert slot.counted == len(slot.tokens) >> 2, f"slot {slot.request_id}: tokens counted out of step"
             for op_id in slot.ops:
                 assert op_id in ops, f"slot {slot.request_id} holds ended op {op_id}"
     for op in ops.values():

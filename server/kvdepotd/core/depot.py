@@ -254,6 +254,20 @@ class Depot:
                 f"({caps.pin_tokens_per_namespace}, max_pin_tokens_per_namespace)"
             )
 
+    def _check_slot_tokens(self, eng: Engine, tokens: int) -> None:
+        """Raises ResourceExhausted, naming the cap, when the tokens a step carries (at most what
+        its slots grow by: a new row resends its whole sequence) would take the namespace's slots
+        past max_slot_tokens_per_namespace. Checked before anything of the step is applied."""
+        if not tokens:
+            return
+        cap = self.config.caps.slot_tokens_per_namespace
+        held = sum(e.slot_tokens for e in self.engines.values() if e.namespace == eng.namespace)
+        if held + tokens > cap:
+            raise ResourceExhausted(
+                f"namespace {eng.namespace!r} holds {held} tokens in request slots; a step of {tokens} more is over the most one "
+                f"namespace may ({cap}, max_slot_tokens_per_namespace): finish requests first"
+            )
+
     def _check_slot_caps(self, eng: Engine, new: int) -> None:
         caps = self.config.caps
         if len(eng.slots) + new > caps.slots_per_engine:
@@ -287,6 +301,7 @@ class Depot:
             raise FailedPrecondition(f"step {step} is older than the engine's last step {eng.last_step}")
         cols = updates if isinstance(updates, StepColumns) else StepColumns.of(updates)
         check_columns(cols, finished, preempted)
+        self._check_slot_tokens(eng, len(cols.tokens) >> 2)
         rows = RowPass(eng.slots, eng.layout.block_size, eng.style, self.config.max_tokens)
         try:
             rows.run(cols, step)
@@ -303,6 +318,12 @@ class Depot:
             self._apply(eng, u, step, now_ms, plan)
         for slot in touched:
             self._store(eng, slot, slot.store_candidates(slot.computed), step, now_ms, plan)
+        eng.slot_tokens += rows.added
+        for u in slow:  # the general path's rows: their slots' tokens counted here
+            if (grown := eng.slots.get(u.request_id)) is not None:
+                n = len(grown.tokens) >> 2
+                eng.slot_tokens += n - grown.counted
+                grown.counted = n
         for rid in finished:
             self._finish(eng, rid, plan)
         eng.last_step = step
@@ -659,6 +680,6 @@ class Depot:
         self._ready += self.disk.job_done(job_id, failed, corrupt, message)
 
     def _release_slot(self, eng: Engine, rid: RequestId) -> None:
-        del eng.slots[rid]
+        eng.slot_tokens -= eng.slots.pop(rid).counted
         self._slot_epoch.pop((eng.engine_id, rid), None)
         self.counters["slots_released"] += 1

@@ -46,6 +46,7 @@ class Caps:
     pins_per_engine: int = 8192
     pins_per_namespace: int = 32768
     pin_tokens_per_namespace: int = 64 << 20
+    slot_tokens_per_namespace: int = 64 << 20  # the tokens a namespace's request slots keep (about 11 bytes each with hashes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +184,7 @@ class Engine:
     slots: dict[RequestId, Slot] = field(default_factory=dict)
     pins: dict[RequestId, LookupPin] = field(default_factory=dict)
     pin_tokens: int = 0  # prompt tokens its pins keep
+    slot_tokens: int = 0  # tokens its request slots keep (the sum of their `counted`)
     last_step: int = -1
     responses: OrderedDict[int, StepPlan] = field(default_factory=OrderedDict)
     # Ranks whose KV memory the daemon has mapped. Until every rank's is, the engine is offered no

@@ -45,6 +45,7 @@ class RowPass:
         self.slow: list[SlotUpdate] = []  # rows for the general path, checked and normalized
         self.touched: list[Slot] = []  # fast rows whose forward may complete a block
         self._undo: list[tuple[Slot, int, int, int, int]] = []
+        self.added = 0  # tokens the fast rows appended (counted in their slots' `counted` too)
 
     def run(self, cols: StepColumns, step: int) -> None:
         get, bs, max_tokens, active, style = self.slots.get, self.bs, self.max_tokens, Phase.ACTIVE, self.style
@@ -78,6 +79,8 @@ class RowPass:
                 keep((slot, ntok, ntable, slot.computed, slot.last_step))
                 if nt:
                     toks += tokens[t : t + 4 * nt]
+                    slot.counted += nt
+                    self.added += nt
                     if len(toks) >= slot.next_full:
                         slot.hash_full_blocks()
                 if nb:
@@ -92,6 +95,7 @@ class RowPass:
     def undo(self) -> None:
         for slot, ntok, ntable, computed, last_step in reversed(self._undo):
             slot.truncate(ntok >> 2)
+            slot.counted = ntok >> 2
             del slot.block_table[ntable:]
             slot.computed, slot.last_step = computed, last_step
         self._undo.clear()

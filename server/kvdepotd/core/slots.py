@@ -146,6 +146,7 @@ class Slot:
     hashes: list[BlockHash] = field(default_factory=list)  # one per full block (the hash chain)
     next_full: int = 0  # token bytes at which the next block is full (0: set on first append)
     taint: int = -1  # first block whose load failed: from here the device KV is wrong until a rewind
+    counted: int = 0  # tokens counted in its engine's slot_tokens (Depot.step brings it up to date)
 
     @property
     def num_tokens(self) -> int:
