@@ -176,7 +176,9 @@ def verify(keys: ValueKeys, namespace: str, value: bytes | memoryview, length: i
 
 def check_header(value: bytes | memoryview, world_size: int, data_bytes: int, h: int, parent: int | None, namespace: str, layout_class: str) -> tuple[int, list[int]]:
     """(header length, per-rank checksums) when the value's header says exactly what is expected;
-    raises ValueError naming the first field that does not. The tag is checked apart (verify)."""
+    raises ValueError naming the first field that does not: a damaged value (its structure or its
+    header's checksum), or Forged for a well-made header of another block, namespace, layout or
+    size (no accident makes one: it was put there). The tag is checked apart (verify)."""
     if len(value) < _FIXED.size:
         raise ValueError(f"value of {len(value)} bytes is shorter than a header")
     magic, version, ws, length, nbytes, vh, vp, has_parent, fp, _ = _FIXED.unpack_from(value)
@@ -184,27 +186,31 @@ def check_header(value: bytes | memoryview, world_size: int, data_bytes: int, h:
         raise ValueError("not a kvdepot block (magic)")
     if version != FORMAT:
         raise ValueError(f"format version {version}, this daemon reads {FORMAT}")
-    if length > len(value) or length < _FIXED.size + 8 + TAG_BYTES:
+    if length > len(value) or length < _FIXED.size + 8 * ws + 4 + 8 + TAG_BYTES:
         raise ValueError(f"header length {length} does not fit the value")
     end = length - TAG_BYTES - 8
     if _U64.unpack_from(value, end)[0] != xxhash.xxh3_64_intdigest(bytes(value[:end])):
         raise ValueError("header checksum mismatch")
     if (ws, nbytes) != (world_size, data_bytes):
-        raise ValueError(f"{ws} ranks of {nbytes} bytes, expected {world_size} of {data_bytes}")
+        raise Forged(f"{ws} ranks of {nbytes} bytes, expected {world_size} of {data_bytes}")
     if vh != h or (bool(has_parent), vp if has_parent else None) != (parent is not None, parent):
-        raise ValueError("hash or parent differs from the key's block")
+        raise Forged("hash or parent differs from the key's block")
     if fp != fingerprint(namespace, layout_class):
-        raise ValueError("namespace or layout class fingerprint differs")
+        raise Forged("namespace or layout class fingerprint differs")
     off = _FIXED.size
-    sums = [_U64.unpack_from(value, off + 8 * r)[0] for r in range(ws)]
+    sums = [_U64.unpack_from(value, off + 8 * r)[0] for r in range(ws)]  # within `end`: checked above
     off += 8 * ws
     names = []
     for _ in range(2):
+        if off + 2 > end:
+            raise ValueError("the header's names run past its end")
         (n,) = _U16.unpack_from(value, off)
+        if off + 2 + n > end:
+            raise ValueError("the header's names run past its end")
         names.append(bytes(value[off + 2 : off + 2 + n]).decode("utf-8", "replace"))
         off += 2 + n
     if off != end or names != [namespace, layout_class]:
-        raise ValueError("namespace or layout class differs")
+        raise Forged("namespace or layout class differs")
     if len(value) != length + data_bytes:
         raise ValueError(f"value has {len(value) - length} data bytes, expected {data_bytes}")
     return length, sums

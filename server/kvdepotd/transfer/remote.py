@@ -189,7 +189,7 @@ class RemoteCopyEngine:
         rank_bytes = nbytes // ws
         keyring = self._keyring()
         items = [(it, key) for it, key in zip(job.items, keys) if it.hash not in present and it.hash not in failed]
-        scratch = self._scratch()
+        scratch = self._scratch() if Scratch.usable() else Scratch()  # past the quarantine's bound: fresh memory each job
         views, addrs = scratch.views([header_bytes(ws, it.owner, pub) + nbytes for it, _ in items])
         todo: list[tuple[bytes, memoryview]] = []
         hashes = []
@@ -208,9 +208,12 @@ class RemoteCopyEngine:
             try:
                 results = self.store.set(todo)
             except Exception as e:
-                results = [e] * len(todo)
-            if any(r is not None for r in results):
-                scratch.quarantine()  # the client may still read it: never written again
+                results = [detached(e)] * len(todo)
+                scratch.quarantine()  # the call gave up: the client may still read it, never written again
+            else:
+                if any(timed_out(r) for r in results if r is not None):
+                    scratch.quarantine()  # a node's part gave up while its bytes may still be sent
+                # (a key refused with an answer, a full store's OOM say, was sent whole: the buffer is free)
             self._failures(results)
             bad = [h for h, r in zip(hashes, results) if r is not None]
             failed.update(bad)
@@ -245,10 +248,14 @@ class RemoteCopyEngine:
                 continue
             try:
                 length, sums = check_header(value, ws, nbytes, it.hash, it.parent, it.owner, pub)
-            except ValueError as e:
+            except ValueError as e:  # Forged among them: a well-made header of another block
                 corrupt.add(it.hash)
                 bad_keys.append(key)
-                reasons.append(f"corrupt block in the remote store: {e}")
+                if isinstance(e, Forged):
+                    forged.add(it.hash)
+                    reasons.append(f"block in the remote store refused: {e}")
+                else:
+                    reasons.append(f"corrupt block in the remote store: {e}")
                 continue
             dst = arena.base + it.host_offset
             ctypes.memmove(dst, address_of(value) + length, nbytes)
