@@ -15,13 +15,13 @@ import urllib.request
 
 import pytest
 
-from kvdepot import DepotClient
+from kvdepot import DepotClient, KvLayout
 from kvdepot.testing import FakeEngine
 from kvdepot.testing.daemon import free_port
 from tests.container.conftest import DAEMON_IMAGE, inspect, need_image, podman, volume_path, wait_serving
-from tests.integration.conftest import LAYOUT
 
 pytestmark = pytest.mark.container
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_size=8, dtype="float16", block_size=16, kind="vllm_cpu")  # real KV bytes, every position checked
 PROMPT = list(range(1000, 1300))  # 18 full blocks of 16
 
 

@@ -25,7 +25,8 @@ from kvdepot.client import DepotClient
 from kvdepot.layout import KvLayout
 from kvdepot.testing.fake_engine import FakeEngine
 
-LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_size=32, dtype="float16", block_size=16)
+# kind: the engine's KV memory is real (a layout without one moves no bytes, and its checks prove nothing)
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_size=32, dtype="float16", block_size=16, kind="vllm_cpu")
 
 
 def run_engine(address: str, seconds: float, index: int, token: str, model: str, out: dict[str, Any]) -> None:
