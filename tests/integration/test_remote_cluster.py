@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdepot.testing.valkey import ValkeyCluster, key_slot_of
+from kvdepot.testing.valkey import ValkeyCluster
 from tests.integration.conftest import close_engine, wait_counter
 from tests.integration.test_remote_tier import PROMPT, engine, hashes_of, node, stop_clean, stored_on
 
@@ -78,7 +78,7 @@ def test_slots_moved_to_an_added_node_under_traffic_cost_no_wrong_bytes(replicat
     stop = threading.Event()
     try:
         first = stored_on(a)
-        moving = sorted({key_slot_of(k) for k in vc.keys("kvdepot:*") if vc.node_of(k) == 0})
+        moving = sorted({vc.slot_of(k) for k in vc.keys("kvdepot:*") if vc.node_of(k) == 0})
         assert moving
 
         def traffic() -> None:
@@ -109,7 +109,7 @@ def test_slots_moved_to_an_added_node_under_traffic_cost_no_wrong_bytes(replicat
         t.join(60)
         assert not errors, errors
         assert moved >= len(moving)
-        assert all(vc.node_of(k) == new for k in vc.keys("kvdepot:*") if key_slot_of(k) in moving)
+        assert all(vc.node_of(k) == new for k in vc.keys("kvdepot:*") if vc.slot_of(k) in moving)
         # Settled: every block of the prompt is read again, from wherever it lives now.
         eb.client.clear("host")
         eb.client.clear("disk")

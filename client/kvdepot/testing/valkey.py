@@ -59,17 +59,6 @@ def remote_args(url: str, key: str = "") -> list[str]:
     return ["--remote", url, "--remote-key-file", key or key_file()]
 
 
-def key_slot_of(key: bytes) -> int:
-    """The cluster slot of a key without a hash tag (CRC16-XMODEM mod 16384)."""
-    crc = 0
-    for byte in key:
-        crc ^= byte << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
-            crc &= 0xFFFF
-    return crc & 0x3FFF
-
-
 def free_ports(n: int) -> list[int]:
     """n distinct free loopback ports (all held open together while picked, so no two repeat)."""
     socks = [socket.socket() for _ in range(n)]
@@ -351,12 +340,16 @@ class ValkeyCluster:
     def _live(self) -> list[int]:
         return [i for i, proc in enumerate(self.procs) if proc is not None and proc.poll() is None]
 
+    def slot_of(self, key: bytes) -> int:
+        """The cluster slot of `key`, as the store computes it."""
+        return int(command(self.ports[self._live()[0]], "CLUSTER", "KEYSLOT", key))
+
     def node_of(self, key: bytes) -> int:
         """The index of the primary that serves `key` now."""
         if not self.cluster:
             return 0
         live = self._live()
-        slot = command(self.ports[live[0]], "CLUSTER", "KEYSLOT", key)
+        slot = self.slot_of(key)
         for r in command(self.ports[live[0]], "CLUSTER", "SLOTS"):
             if int(r[0]) <= slot <= int(r[1]):
                 return self.ports.index(int(r[2][1]))
