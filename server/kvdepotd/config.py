@@ -8,6 +8,7 @@ held them. The result is a frozen DaemonConfig; the core never reads files or th
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import tomllib
 import urllib.parse
@@ -15,10 +16,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvdepot.connector.config import ENV_NAMES as CONNECTOR_ENV
 from kvdepot.lane import check_unix_path, unix_path
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
 ENV_PREFIX = "KVDEPOT_"
+# The KVDEPOT_* variables that are not the daemon's options: the connectors' (CONNECTOR_ENV) and
+# those of the project's scripts, tests and container files (docs/development.md, docs/deploy.md).
+# Any other is refused, as a misspelled option would otherwise be ignored.
+OTHER_ENV = CONNECTOR_ENV | {
+    ENV_PREFIX + name
+    for name in (
+        "CONFIG", "COMPILE", "EXPECT_COMPILED", "REQUIRE_CONTAINERS", "REQUIRE_MONITORING", "REQUIRE_TLS_STORE", "VALKEY_SERVER",
+        "SOAK_S", "IMAGE", "ENGINE_IMAGE", "CONTAINER_STATE", "MODELS", "MODEL", "DTYPE", "MAX_MODEL_LEN", "ENGINE_KV_GIB", "PORT",
+        "METRICS_PORT", "ENGINE_PORT", "DEBIAN_MIRROR",
+    )
+}
 
 
 class ConfigError(ValueError):
@@ -429,12 +442,19 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Daemo
     path = args.config or env.get(ENV_PREFIX + "CONFIG")
     if path:
         values.update(_parse_source(_read_toml(path), f"config file {path}"))
-    # Other KVDEPOT_* variables (the client's KVDEPOT_ADDRESS, say) are not the daemon's business.
-    env_values = {
-        k[len(ENV_PREFIX) :].lower(): v
-        for k, v in env.items()
-        if k.startswith(ENV_PREFIX) and k[len(ENV_PREFIX) :].lower() in PARSERS
-    }
+    env_values = {}
+    for k, v in env.items():
+        name = k[len(ENV_PREFIX) :].lower()
+        if not k.startswith(ENV_PREFIX) or k in OTHER_ENV:
+            continue
+        if name not in PARSERS:
+            near = difflib.get_close_matches(name, PARSERS, n=1, cutoff=0.6)
+            hint = f"; did you mean {ENV_PREFIX}{near[0].upper()}?" if near else ""
+            raise ConfigError(
+                f"unknown variable {k} in the environment{hint} (every KVDEPOT_* variable must be an option of the daemon "
+                "or one the connectors or the project's scripts read; docs/operations.md lists the options)"
+            )
+        env_values[name] = v
     values.update(_parse_source(env_values, "environment", prefix=ENV_PREFIX))
     flag_values = {f.name: getattr(args, f.name) for f in fields(DaemonConfig) if getattr(args, f.name, None) is not None}
     values.update(_parse_source(flag_values, "command line", prefix="--"))

@@ -183,11 +183,9 @@ def test_preemption_and_readmission(make: Make, copy_mode: str) -> None:
 def test_k_only_pool_round_trips_and_never_meets_k_and_v_blocks(make: Make, monkeypatch: pytest.MonkeyPatch) -> None:
     """kv_factor 1 (MLA keeps K only): byte-exact both ways; an engine of the same model with K and
     V is in another layout class and never gets those blocks."""
-    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "mla-k-only")
     k_only = make(kv_factor=1, model="mla-model")
     assert k_only.workers[0].side.layout.kv_factor == 1
     served_twice(k_only, prompt(100))
-    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "mla-k-and-v")
     kv = make(model="mla-model")
     r = kv.add(prompt(100))
     kv.run()
@@ -523,7 +521,6 @@ def test_an_engine_the_connector_cannot_serve_runs_without_it(monkeypatch: pytes
             ex.close()
     assert caplog.text.count("pipeline parallelism is not supported") == 2  # the scheduler and the worker
     monkeypatch.setenv("KVDEPOT_ADDRESS", f"127.0.0.1:{free_port()}")
-    monkeypatch.setenv("KVDEPOT_ENGINE_KEY", "no-daemon")
     t0 = time.monotonic()
     ex = StandInExecutor(layout(), 64, TorchLlmArgs(model="nobody", kv_cache_config=KvCacheConfig(tokens_per_block=BS)))
     try:

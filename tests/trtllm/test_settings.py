@@ -47,6 +47,20 @@ def test_settings_from_variables_and_a_file(monkeypatch: pytest.MonkeyPatch, tmp
         settings(args())
 
 
+def test_the_client_tls_variables_are_apart_from_the_daemons(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """KVDEPOT_TLS_CERT and _KEY are the daemon's own certificate: a connector beside it takes its
+    own from KVDEPOT_CLIENT_TLS_*."""
+    monkeypatch.setenv("KVDEPOT_ADDRESS", "daemon.local:50061")
+    monkeypatch.setenv("KVDEPOT_TLS_CERT", "/etc/kvdepotd/server.pem")
+    monkeypatch.setenv("KVDEPOT_TLS_KEY", "/etc/kvdepotd/server.key")
+    assert settings(args()).tls() is None
+    monkeypatch.setenv("KVDEPOT_CLIENT_TLS_CA", "ca.pem")
+    monkeypatch.setenv("KVDEPOT_CLIENT_TLS_CERT", "engine.pem")
+    monkeypatch.setenv("KVDEPOT_CLIENT_TLS_KEY", "engine.key")
+    cfg = settings(args())
+    assert (cfg.tls_ca, cfg.tls_cert, cfg.tls_key) == ("ca.pem", "engine.pem", "engine.key")
+
+
 def test_settings_refuse_what_is_wrong(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     f = tmp_path / "bad.json"
     f.write_text(json.dumps({"adress": "x"}))

@@ -65,7 +65,40 @@ def test_unknown_file_key_lists_known_ones(tmp_path) -> None:  # type: ignore[no
 
 
 def test_other_kvdepot_env_vars_are_ignored() -> None:
-    assert load([], {"KVDEPOT_ADDRESS": "x"}).listen == (config.DEFAULT_LISTEN,)
+    env = {"KVDEPOT_ADDRESS": "x", "KVDEPOT_CLIENT_TLS_CERT": "c.pem", "KVDEPOT_LOAD_ASYNC": "true", "KVDEPOT_REQUIRE_MONITORING": "1"}
+    assert load([], env).listen == (config.DEFAULT_LISTEN,)
+
+
+@pytest.mark.parametrize(
+    "var, words",
+    [
+        ("KVDEPOT_HOST_GB", "unknown variable KVDEPOT_HOST_GB in the environment; did you mean KVDEPOT_HOST_GIB?"),
+        ("KVDEPOT_REMOTE_TIMEOUT", "did you mean KVDEPOT_REMOTE_TIMEOUT_MS?"),
+        ("KVDEPOT_ZZZ", "unknown variable KVDEPOT_ZZZ in the environment \\(every"),
+    ],
+)
+def test_a_misspelled_variable_is_refused_naming_the_nearest_option(var: str, words: str) -> None:
+    with pytest.raises(config.ConfigError, match=words):
+        load([], {var: "1"})
+
+
+def test_every_kvdepot_variable_the_project_names_is_known() -> None:
+    """A variable the docs, scripts, container files or tests use is an option or in OTHER_ENV:
+    else a daemon started beside it would refuse to run."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    names: dict[str, str] = {}
+    for path in [root / "README.md", root / "Dockerfile", root / "docker-compose.yml", root / ".ci" / "run"] + [
+        p for d in ("docs", "scripts", "deploy", "tests", "bench", "client", "server") for p in (root / d).rglob("*") if p.is_file() and p.suffix in ("", ".py", ".md", ".yml", ".yaml", ".sh", ".Dockerfile", ".toml")
+    ]:
+        if path.name == "test_config.py":  # its misspellings are on purpose
+            continue
+        for name in re.findall(r"KVDEPOT_[A-Z][A-Z0-9_]*[A-Z0-9](?!_\*)\b", path.read_text(errors="replace")):
+            names.setdefault(name, str(path.relative_to(root)))
+    names.pop("KVDEPOT_HOST_GB", None)  # docs/operations.md's example of a refused one
+    unknown = {n: where for n, where in names.items() if n not in config.OTHER_ENV and n[len("KVDEPOT_") :].lower() not in config.PARSERS}
+    assert not unknown, f"KVDEPOT_* variables neither options nor in config.OTHER_ENV: {unknown}"
 
 
 def test_every_option_has_help() -> None:
@@ -115,3 +148,9 @@ def test_check_config_checks_the_tokens_file(tmp_path: Path, capsys: pytest.Capt
     bad.write_text('[namespaces]\nteam-a = "short"\n')
     assert cli.main(["check-config", "--auth-file", str(bad)]) == 2
     assert "a token must be at least 16 characters" in capsys.readouterr().err
+
+
+def test_check_config_refuses_a_misspelled_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVDEPOT_HOST_GB", "8")
+    assert cli.main(["check-config"]) == 2
+    assert "did you mean KVDEPOT_HOST_GIB?" in capsys.readouterr().err

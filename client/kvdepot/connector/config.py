@@ -57,6 +57,15 @@ KEYS = (
 )
 
 
+def env_name(key: str) -> str:
+    """The variable from_env reads `key` from: KVDEPOT_<KEY>, but KVDEPOT_CLIENT_TLS_* for the TLS
+    files (KVDEPOT_TLS_CERT and KVDEPOT_TLS_KEY are the daemon's own certificate and key)."""
+    return "KVDEPOT_" + ("CLIENT_" if key.startswith("tls_") else "") + key.upper()
+
+
+ENV_NAMES = frozenset({env_name(k) for k in KEYS} | {"KVDEPOT_CONNECTOR_CONFIG", "KVDEPOT_TOKEN"})  # every variable a connector reads
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     address: str = DEFAULT_ADDRESS
@@ -129,7 +138,8 @@ def _address(address: str) -> str:
 def from_env(environ: Mapping[str, str], **defaults: Any) -> ConnectorConfig:
     """The settings of a connector whose engine has no place for them (TensorRT-LLM): `defaults`,
     then the file named by $KVDEPOT_CONNECTOR_CONFIG (by its suffix YAML or TOML, else JSON), then
-    KVDEPOT_<KEY> variables ($KVDEPOT_ADDRESS, $KVDEPOT_NAMESPACE, $KVDEPOT_LOAD_ASYNC, ...).
+    KVDEPOT_<KEY> variables ($KVDEPOT_ADDRESS, $KVDEPOT_NAMESPACE, $KVDEPOT_LOAD_ASYNC, ...; the
+    TLS files from $KVDEPOT_CLIENT_TLS_CA, _CERT and _KEY, apart from the daemon's own).
     Raises ValueError naming the file, variable or key that is wrong."""
     extra: dict[str, Any] = dict(defaults)
     path = environ.get("KVDEPOT_CONNECTOR_CONFIG", "")
@@ -143,7 +153,7 @@ def from_env(environ: Mapping[str, str], **defaults: Any) -> ConnectorConfig:
             raise ValueError(f"kvdepot: KVDEPOT_CONNECTOR_CONFIG={path} must hold a table of settings")
         extra.update(data)
     for key in KEYS:
-        value = environ.get(f"KVDEPOT_{key.upper()}")
+        value = environ.get(env_name(key))
         if value is not None:
             extra[key] = value
     return ConnectorConfig.from_extra(extra)
