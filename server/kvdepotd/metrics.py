@@ -110,7 +110,7 @@ class Metrics:
             "kvdepot_remote_failures", "remote store keys that failed, by kind: timeout, error, missing (evicted or never written), "
             "corrupt, lookup_timeout (a Lookup's budget ran out)", ["kind"], registry=self.registry,
         )
-        self.remote_up = Gauge("kvdepot_remote_up", "1 while the remote store answers its health check (0: down, or no remote tier)", registry=self.registry)
+        self._remote_up: Gauge | None = None  # exported once a remote tier is configured: 0 means down, never "none"
         self.copy_bytes = Counter(
             "kvdepot_host_copy_bytes", "block bytes copied between engine memory and the host tier (all ranks)", ["op"], registry=self.registry
         )
@@ -150,6 +150,12 @@ class Metrics:
         self.recovery: Any = _NoRecovery()
         if depot is not None:
             self.registry.register(DepotCollector(depot, mapped_bytes, lambda: self.recovery))
+
+    def set_remote_up(self, up: bool) -> None:
+        if self._remote_up is None:
+            self._remote_up = Gauge("kvdepot_remote_up", "1 while the remote store answers its health check, 0 while it does not "
+                                    "(absent without a remote tier)", registry=self.registry)
+        self._remote_up.set(1 if up else 0)
 
     def engine_call(self, method: str, transport: str) -> None:
         self._calls[(method, transport)].inc()

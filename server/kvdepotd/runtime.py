@@ -146,7 +146,7 @@ class Runtime:
         was = self.depot.remote.up
         connected = store.client is not None
         up = await asyncio.to_thread(store.ping)
-        self.metrics.remote_up.set(1 if up else 0)
+        self.metrics.set_remote_up(up)
         if up and not connected:
             for w in await asyncio.to_thread(store.config_warnings):
                 log.warning("remote tier: %s", w)

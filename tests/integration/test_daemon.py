@@ -167,6 +167,7 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "kvdepot_handoff_pending_descriptors 0.0" in body
     assert "kvdepot_lookups_total 3.0" in body
     assert "kvdepot_checksum_failures_total 0.0" in body  # every counter exists from the start
+    assert "kvdepot_remote_up" not in body  # no remote tier: no series, so 0 always means a store that is down
     assert 'kvdepot_pool_capacity_blocks{layout_class="L2xH2xD8xfloat16xB16xW1",tier="host"}' in body
     assert 'kvdepot_rpc_duration_seconds_count{method="Lookup"} 3.0' in body
     for transport in ("lane", "session", "unary"):

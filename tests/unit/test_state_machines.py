@@ -399,3 +399,21 @@ def test_owner_heaps_do_not_grow_with_touches() -> None:
     assert reg.prepare_store(BlockHash(4), None, "a") is not None  # at its share (3): its LRU block went
     assert BlockHash(1) not in reg.entries and reg.owned == {"a": 3}
     reg.check_invariants()
+
+
+def test_evictions_of_blocks_never_hit_are_counted_apart() -> None:
+    """A full tier whose evicted blocks had served lookups is healthy; one that evicts blocks
+    nothing ever asked for again is thrashing (or sees no reuse): KvdepotHostTierThrashing."""
+    reg = BlockRegistry(BlockPool("c", 100, SlabBudget(total_bytes=300, slab_bytes=300)))  # 3 cells
+    for h in (1, 2, 3):
+        assert reg.prepare_store(BlockHash(h), None) is not None
+        reg.complete_store(BlockHash(h), True)
+    assert reg.match_and_pin([BlockHash(1)]) == 1
+    reg.unpin(BlockHash(1))
+    reg.touch([BlockHash(1)])
+    assert reg.prepare_store(BlockHash(4), None) is not None  # evicts 2: never hit
+    assert (reg.evictions, reg.evicted_unhit) == (1, 1)
+    reg.touch([BlockHash(3), BlockHash(4)])
+    assert reg.prepare_store(BlockHash(5), None) is not None  # evicts 1: it served a lookup
+    assert (reg.evictions, reg.evicted_unhit) == (2, 1)
+    reg.check_invariants()

@@ -69,6 +69,7 @@ def stats(
 def all_counters(counters: Mapping[str, int], domains: Domains) -> dict[str, int]:
     out = {name: counters.get(name, 0) for name in COUNTERS}
     out["evictions"] = sum(d.registry.evictions for d in domains.values())
+    out["evicted_unhit_blocks"] = sum(d.registry.evicted_unhit for d in domains.values())
     out["disk_evictions"] = sum(d.disk.evictions for d in domains.values() if d.disk is not None)
     return out
 

@@ -24,7 +24,7 @@ COUNTERS = (
     "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks", "store_blocks_cancelled",
     "load_blocks_cancelled",
     "load_blocks_planned", "loaded_blocks", "load_failed_blocks", "checksum_failures",
-    "ops_expired", "cleared_blocks", "evictions",
+    "ops_expired", "cleared_blocks", "evictions", "evicted_unhit_blocks",
     "lookup_disk_hit_tokens", "disk_admitted_blocks", "disk_rejected_blocks", "disk_written_blocks",
     "disk_write_failed_blocks", "disk_read_blocks", "disk_read_failed_blocks", "disk_checksum_failures",
     "disk_full", "disk_evictions", "disk_write_missed_blocks", "disk_blocks_over_share",

@@ -137,6 +137,7 @@ class BlockRegistry:
         self.num_pinned = 0  # entries with pins > 0
         self.num_storing = 0
         self.evictions = 0
+        self.evicted_unhit = 0  # evicted before any lookup, load or store found them: room that served nothing
         self.owned: dict[str, int] = {}
         self.owner_limit = max(1, int(owner_share * pool.max_blocks)) if owner_share < 1 else None
         self._owner_policies: dict[str, LeafLruPolicy] = {}  # per owner, when there is a limit
@@ -284,7 +285,9 @@ class BlockRegistry:
         h = policy.pop(self.entries)
         if h is None:
             return False
-        self._drop(self.entries[h])
+        e = self.entries[h]
+        self.evicted_unhit += e.hits == 0
+        self._drop(e)
         self.evictions += 1
         return True
 
