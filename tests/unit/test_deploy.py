@@ -52,15 +52,93 @@ def test_compose_file() -> None:
     assert engine["build"]["dockerfile"] == "deploy/engine.Dockerfile" and (ROOT / engine["build"]["dockerfile"]).exists()
 
 
-def test_kubernetes_pod() -> None:
-    doc: dict[str, Any] = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "kvdepot-engine.yaml").read_text())
-    pod = doc["spec"]["template"]["spec"]
+def manifests(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / name).read_text()) if d]
+
+
+def of_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+# The "restricted" Pod Security Standard (kubernetes.io/docs/concepts/security/pod-security-standards),
+# the checks a pod's spec can fail, field by field.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret", "name"}
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    out = [f"pod: {k}" for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)]
+    for v in pod.get("volumes", []):
+        out += [f"volume {v['name']}: {k}" for k in set(v) - RESTRICTED_VOLUMES]
+    psc = pod.get("securityContext", {})
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc, where = c.get("securityContext", {}), f"container {c['name']}"
+        if sc.get("privileged"):
+            out.append(f"{where}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: allowPrivilegeEscalation is not false")
+        caps = sc.get("capabilities", {})
+        if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{where}: capabilities must drop ALL and add at most NET_BIND_SERVICE")
+        if not sc.get("runAsNonRoot", psc.get("runAsNonRoot")) or sc.get("runAsUser", psc.get("runAsUser", 1)) == 0:
+            out.append(f"{where}: may run as root")
+        if sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type") not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{where}: no seccomp profile")
+        out += [f"{where}: hostPort" for p in c.get("ports", []) if p.get("hostPort")]
+    return out
+
+
+def gib(quantity: str) -> float:
+    units = {"Mi": 1 / 1024, "Gi": 1.0}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def check_daemon_container(daemon: dict[str, Any], pod: dict[str, Any], annotations: dict[str, str]) -> None:
+    env = {e["name"]: e["value"] for e in daemon["env"]}
+    check_daemon_env(env, daemon["name"])
+    assert env["KVDEPOT_LISTEN"] == SOCKET  # no TCP gRPC: nothing off the socket can call Clear
+    for probe in ("startupProbe", "livenessProbe"):
+        assert daemon[probe]["exec"]["command"] == ["kvdepotd", "health", SOCKET]  # over the socket: right with TLS on TCP
+    assert {p["name"]: p["containerPort"] for p in daemon["ports"]} == {"metrics": 9464}
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == "9464"
+    res = daemon["resources"]
+    assert res["requests"]["memory"] == res["limits"]["memory"] and "cpu" in res["requests"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    shm = volumes[{m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}["/dev/shm"]]["emptyDir"]
+    host_gib = float(env["KVDEPOT_HOST_GIB"])
+    assert shm["medium"] == "Memory" and host_gib <= gib(shm["sizeLimit"]) <= host_gib + 1
+    assert gib(res["limits"]["memory"]) >= host_gib + 1.5  # the tier's pages count as the container's memory
+    assert daemon["securityContext"]["runAsUser"] == 10001 and daemon["securityContext"]["readOnlyRootFilesystem"]
+
+
+def check_engine_container(engine: dict[str, Any], pod: dict[str, Any]) -> None:
+    assert connector_address(" ".join(engine["args"])) == SOCKET
+    res = engine["resources"]
+    assert res["requests"]["memory"] == res["limits"]["memory"] and "cpu" in res["requests"]
+    assert engine["securityContext"]["runAsUser"] != 0 and 10001 in pod["securityContext"]["supplementalGroups"]  # may connect
+    assert {"livenessProbe", "readinessProbe", "startupProbe"} <= set(engine)
+
+
+def network_policy_ports(docs: list[dict[str, Any]], labels: dict[str, str]) -> set[int]:
+    ports = set()
+    for np in of_kind(docs, "NetworkPolicy"):
+        if np["spec"]["podSelector"]["matchLabels"].items() <= labels.items():
+            assert np["spec"]["policyTypes"] == ["Ingress"]
+            ports |= {p["port"] for rule in np["spec"]["ingress"] for p in rule["ports"]}
+    return ports
+
+
+def test_kubernetes_sidecar_pod() -> None:
+    docs = manifests("kvdepot-engine.yaml")
+    (sts,) = of_kind(docs, "StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
     (daemon,) = pod["initContainers"]
     (engine,) = pod["containers"]
     assert daemon["restartPolicy"] == "Always"  # a native sidecar: up before the engine, down after it
-    check_daemon_env({e["name"]: e["value"] for e in daemon["env"]}, "kubernetes kvdepotd")
+    assert restricted_violations(pod) == []
+    check_daemon_container(daemon, pod, sts["spec"]["template"]["metadata"]["annotations"])
+    check_engine_container(engine, pod)
     volumes = {v["name"]: v for v in pod["volumes"]}
-    claims = {c["metadata"]["name"] for c in doc["spec"]["volumeClaimTemplates"]}
+    claims = {c["metadata"]["name"] for c in sts["spec"]["volumeClaimTemplates"]}
 
     def mounts(c: dict[str, Any]) -> dict[str, str]:
         out = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
@@ -70,13 +148,49 @@ def test_kubernetes_pod() -> None:
 
     d, e = mounts(daemon), mounts(engine)
     assert d["/run/kvdepot"] == e["/run/kvdepot"] and "emptyDir" in volumes[d["/run/kvdepot"]]
-    assert volumes[d["/dev/shm"]]["emptyDir"]["medium"] == "Memory" and volumes[e["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    assert d["/var/lib/kvdepot"] in claims
-    assert connector_address(" ".join(engine["args"])) == SOCKET
-    assert daemon["securityContext"]["runAsUser"] == 10001 and 10001 in pod["securityContext"]["supplementalGroups"]
-    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
-    assert ports == {"grpc": 50061, "metrics": 9464} and daemon["livenessProbe"]["grpc"]["port"] == 50061
+    assert volumes[e["/dev/shm"]]["emptyDir"]["medium"] == "Memory" and d["/var/lib/kvdepot"] in claims
     assert pod["terminationGracePeriodSeconds"] >= 30
+    (svc,) = of_kind(docs, "Service")
+    assert svc["metadata"]["name"] == sts["spec"]["serviceName"] and svc["spec"]["clusterIP"] == "None"  # the StatefulSet's governing Service
+    assert network_policy_ports(docs, sts["spec"]["template"]["metadata"]["labels"]) == {8000, 9464}
+
+
+def test_kubernetes_daemon_per_node() -> None:
+    """One daemon per node, engines in other pods reaching it through the node's socket folder: a
+    hostPath, which the namespace admits (privileged) while warning and auditing at restricted, the
+    one thing short of the restricted standard."""
+    docs = manifests("kvdepot-node.yaml")
+    (ns,) = of_kind(docs, "Namespace")
+    labels = ns["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == labels["pod-security.kubernetes.io/audit"] == "restricted"
+    (ds,) = of_kind(docs, "DaemonSet")
+    (dep,) = of_kind(docs, "Deployment")
+    dpod, epod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
+    assert restricted_violations(dpod) == ["volume sockets: hostPath"] and restricted_violations(epod) == ["volume sockets: hostPath"]
+    (daemon,) = dpod["containers"]
+    (engine,) = epod["containers"]
+    check_daemon_container(daemon, dpod, ds["spec"]["template"]["metadata"]["annotations"])
+    check_engine_container(engine, epod)
+    host = {v["name"]: v for v in dpod["volumes"]}["sockets"]["hostPath"]["path"]
+    assert {v["name"]: v for v in epod["volumes"]}["sockets"]["hostPath"]["path"] == host
+    assert {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}["sockets"] == "/run/kvdepot"
+    assert {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}["sockets"] == "/run/kvdepot"
+    assert network_policy_ports(docs, ds["spec"]["template"]["metadata"]["labels"]) == {9464}
+    assert all(d["metadata"].get("namespace") == "kvdepot" for d in docs if d["kind"] != "Namespace")
+
+
+def test_the_restricted_check_finds_what_the_standard_refuses() -> None:
+    docs = manifests("kvdepot-engine.yaml")
+    pod = of_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]
+    pod["containers"][0]["securityContext"].pop("allowPrivilegeEscalation")
+    pod["initContainers"][0]["securityContext"]["capabilities"] = {"add": ["SYS_ADMIN"]}
+    pod["securityContext"].pop("seccompProfile")
+    pod["hostIPC"] = True
+    assert sorted(restricted_violations(pod)) == [
+        "container engine: allowPrivilegeEscalation is not false", "container engine: no seccomp profile",
+        "container kvdepotd: capabilities must drop ALL and add at most NET_BIND_SERVICE", "container kvdepotd: no seccomp profile", "pod: hostIPC",
+    ]
 
 
 def test_grafana_dashboard_is_well_formed() -> None:
