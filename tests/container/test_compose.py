@@ -109,6 +109,17 @@ def test_compose_engine_restart_is_served_from_the_daemon(tmp_path: Path) -> Non
         assert after["loaded_blocks"] - before["loaded_blocks"] >= blocks
         assert after["load_failed_blocks"] == before["load_failed_blocks"] == 0
     finally:
-        logs = subprocess.run([RECIPE, "podman", "logs", f"{project}_kvdepotd_1"], capture_output=True, text=True)
+        logs = {name: subprocess.run([RECIPE, "podman", "logs", f"{project}_{name}_1"], capture_output=True, text=True, timeout=60)
+                for name in ("kvdepotd", "engine")}
         compose("down", "-v", "-t", "30")
-    assert "Traceback" not in logs.stderr, logs.stderr[-3000:]
+    for name, out in logs.items():
+        assert out.returncode == 0, f"podman logs {name}: {out.stderr[-2000:]}"
+        text = out.stdout + out.stderr
+        assert "Traceback" not in text, f"{name}: {text[-3000:]}"
+    daemon_log, engine_log = (logs[n].stdout + logs[n].stderr for n in ("kvdepotd", "engine"))
+    assert "kvdepotd serving on" in daemon_log, daemon_log[-2000:]
+    # The engine's own log (vLLM's, the connector's warnings and errors): the completions answered,
+    # no error. (The connector's INFO lines go where the engine's logging sends the root logger's:
+    # nowhere, by vLLM's default.)
+    assert engine_log.count('"POST /v1/completions HTTP/1.1" 200') >= len(TAILS), engine_log[-3000:]
+    assert not [ln for ln in engine_log.splitlines() if " ERROR " in ln or ln.startswith("ERROR")], engine_log[-3000:]
