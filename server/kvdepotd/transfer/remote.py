@@ -10,9 +10,9 @@
           sent again), one more sets the others. A value is the header (with the checksums the
           host tier took when the block left the engine), the block's bytes, and the tag (a MAC
           with the namespace's key) over both.
-  read    one batch gets the values; each is checked (every header field, then each rank's data
-          against its checksum and the tag, after it was copied into the host cell it is staged
-          in) before it is reported. A corrupt or forged value is deleted from the store. The
+  read    one batch gets the values; each is checked (every header field, then the tag over the
+          header and the data, after it was copied into the host cell it is staged in; a value
+          whose tag fails is told corrupt or forged by its data's checksums) before it is reported. A corrupt or forged value is deleted from the store. The
           report comes only after the client returned: nothing writes into a host cell after the
           core may reuse it.
 A key that fails (missing, evicted, its node down, the request's timeout) fails that block alone;
@@ -259,18 +259,18 @@ class RemoteCopyEngine:
                 continue
             dst = arena.base + it.host_offset
             ctypes.memmove(dst, address_of(value) + length, nbytes)
-            if any(int(xxh3_at(dst + r * rank_bytes, rank_bytes)) != s for r, s in enumerate(sums)):
-                corrupt.add(it.hash)
-                bad_keys.append(key)
-                reasons.append("corrupt block in the remote store: data checksum mismatch")
-                continue
-            try:
+            try:  # the tag covers the header (the checksums in it) and the data: one pass checks both
                 verify(keyring, it.owner, value, length, memoryview((ctypes.c_ubyte * nbytes).from_address(dst)).cast("B"))
             except Forged as e:
                 corrupt.add(it.hash)
-                forged.add(it.hash)
                 bad_keys.append(key)
-                reasons.append(f"block in the remote store refused: {e}")
+                # An accident (a flipped bit, a torn value) fails the tag too: the checksums tell it
+                # from a writer without the key, and are computed only then.
+                if any(int(xxh3_at(dst + r * rank_bytes, rank_bytes)) != s for r, s in enumerate(sums)):
+                    reasons.append("corrupt block in the remote store: data checksum mismatch")
+                else:
+                    forged.add(it.hash)
+                    reasons.append(f"block in the remote store refused: {e}")
                 continue
             for r, s in enumerate(sums):
                 arena.checksums[(cls, it.host_cell, r)] = s
