@@ -286,7 +286,8 @@ class BlockRegistry:
         if h is None:
             return False
         e = self.entries[h]
-        self.evicted_unhit += e.hits == 0
+        if e.hits == 0:
+            self.evicted_unhit += 1
         self._drop(e)
         self.evictions += 1
         return True
