@@ -20,10 +20,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 10), ("grpc.min_reconnect_backoff_ms", 10), ("grpc.max_reconnect_backoff_ms", 20)]
 
 
+_GIVEN: set[int] = set()  # ports free_port handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port nothing listens on now, never one this process was given before: two calls in a row
+    may get the same port from the kernel (a test's metrics port and its daemon's gRPC port once
+    did, and the daemon could not start)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 _FOLDERS: list[str] = []  # every daemon's temporary folder (socket, log), removed when this process exits

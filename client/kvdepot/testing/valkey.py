@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdepot.testing.daemon import free_port
+
 SLOTS = 16384
 START_TRIES = 3  # a port picked free can be taken before the server binds it: pick again
 
@@ -60,15 +62,8 @@ def remote_args(url: str, key: str = "") -> list[str]:
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held open together while picked, so no two repeat)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n free loopback ports, none handed out before in this process (a daemon's among them)."""
+    return [free_port() for _ in range(n)]
 
 
 class PortTaken(RuntimeError):
