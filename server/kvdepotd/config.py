@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
+import re
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -32,6 +33,10 @@ OTHER_ENV = CONNECTOR_ENV | {
         "METRICS_PORT", "ENGINE_PORT", "DEBIAN_MIRROR",
     )
 }
+# What Kubernetes puts in every container's environment for a Service named kvdepot (or kvdepot-*)
+# in the namespace: KVDEPOT_SERVICE_HOST, KVDEPOT_PORT_50061_TCP_ADDR and the like (the manifests
+# turn them off with enableServiceLinks: false; other pods' may not).
+SERVICE_LINK = re.compile(r"KVDEPOT_(?:[A-Z0-9_]+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:ADDR|PORT|PROTO))?)?)")
 
 
 class ConfigError(ValueError):
@@ -448,6 +453,8 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Daemo
         if not k.startswith(ENV_PREFIX) or k in OTHER_ENV:
             continue
         if name not in PARSERS:
+            if SERVICE_LINK.fullmatch(k):
+                continue
             near = difflib.get_close_matches(name, PARSERS, n=1, cutoff=0.6)
             hint = f"; did you mean {ENV_PREFIX}{near[0].upper()}?" if near else ""
             raise ConfigError(

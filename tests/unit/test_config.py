@@ -67,6 +67,11 @@ def test_unknown_file_key_lists_known_ones(tmp_path) -> None:  # type: ignore[no
 def test_other_kvdepot_env_vars_are_ignored() -> None:
     env = {"KVDEPOT_ADDRESS": "x", "KVDEPOT_CLIENT_TLS_CERT": "c.pem", "KVDEPOT_LOAD_ASYNC": "true", "KVDEPOT_REQUIRE_MONITORING": "1"}
     assert load([], env).listen == (config.DEFAULT_LISTEN,)
+    # Kubernetes' service links for a Service named kvdepot or kvdepot-metrics in the namespace
+    links = {"KVDEPOT_SERVICE_HOST": "10.0.0.7", "KVDEPOT_SERVICE_PORT": "50061", "KVDEPOT_SERVICE_PORT_GRPC": "50061",
+             "KVDEPOT_PORT": "tcp://10.0.0.7:50061", "KVDEPOT_PORT_50061_TCP": "tcp://10.0.0.7:50061", "KVDEPOT_PORT_50061_TCP_ADDR": "10.0.0.7",
+             "KVDEPOT_PORT_50061_TCP_PORT": "50061", "KVDEPOT_PORT_50061_TCP_PROTO": "tcp", "KVDEPOT_METRICS_SERVICE_HOST": "10.0.0.8"}
+    assert load([], links).listen == (config.DEFAULT_LISTEN,)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +102,8 @@ def test_every_kvdepot_variable_the_project_names_is_known() -> None:
         for name in re.findall(r"KVDEPOT_[A-Z][A-Z0-9_]*[A-Z0-9](?!_\*)\b", path.read_text(errors="replace")):
             names.setdefault(name, str(path.relative_to(root)))
     names.pop("KVDEPOT_HOST_GB", None)  # docs/operations.md's example of a refused one
-    unknown = {n: where for n, where in names.items() if n not in config.OTHER_ENV and n[len("KVDEPOT_") :].lower() not in config.PARSERS}
+    unknown = {n: where for n, where in names.items()
+               if n not in config.OTHER_ENV and n[len("KVDEPOT_") :].lower() not in config.PARSERS and not config.SERVICE_LINK.fullmatch(n)}
     assert not unknown, f"KVDEPOT_* variables neither options nor in config.OTHER_ENV: {unknown}"
 
 

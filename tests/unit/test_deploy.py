@@ -149,7 +149,7 @@ def test_kubernetes_sidecar_pod() -> None:
     d, e = mounts(daemon), mounts(engine)
     assert d["/run/kvdepot"] == e["/run/kvdepot"] and "emptyDir" in volumes[d["/run/kvdepot"]]
     assert volumes[e["/dev/shm"]]["emptyDir"]["medium"] == "Memory" and d["/var/lib/kvdepot"] in claims
-    assert pod["terminationGracePeriodSeconds"] >= 30
+    assert pod["terminationGracePeriodSeconds"] >= 30 and pod["enableServiceLinks"] is False
     (svc,) = of_kind(docs, "Service")
     assert svc["metadata"]["name"] == sts["spec"]["serviceName"] and svc["spec"]["clusterIP"] == "None"  # the StatefulSet's governing Service
     assert network_policy_ports(docs, sts["spec"]["template"]["metadata"]["labels"]) == {8000, 9464}
@@ -167,7 +167,18 @@ def test_kubernetes_daemon_per_node() -> None:
     (ds,) = of_kind(docs, "DaemonSet")
     (dep,) = of_kind(docs, "Deployment")
     dpod, epod = ds["spec"]["template"]["spec"], dep["spec"]["template"]["spec"]
-    assert restricted_violations(dpod) == ["volume sockets: hostPath"] and restricted_violations(epod) == ["volume sockets: hostPath"]
+    assert sorted(restricted_violations(dpod)) == [
+        "container own-folders: capabilities must drop ALL and add at most NET_BIND_SERVICE", "container own-folders: may run as root",
+        "volume disk: hostPath", "volume sockets: hostPath",
+    ]
+    assert restricted_violations(epod) == ["volume sockets: hostPath"]
+    # The kubelet makes a hostPath folder root's (0755) and fsGroup skips it: the init container
+    # gives both folders to the daemon's user before it starts.
+    (owner,) = dpod["initContainers"]
+    assert "chown 10001:10001 /run/kvdepot /var/lib/kvdepot" in owner["command"][-1] and set(owner["securityContext"]["capabilities"]["add"]) == {"CHOWN", "FOWNER"}
+    assert {m["mountPath"] for m in owner["volumeMounts"]} == {"/run/kvdepot", "/var/lib/kvdepot"}
+    assert dpod["nodeSelector"] == epod["nodeSelector"]  # engines only where a daemon runs
+    assert dpod["enableServiceLinks"] is False and epod["enableServiceLinks"] is False
     (daemon,) = dpod["containers"]
     (engine,) = epod["containers"]
     check_daemon_container(daemon, dpod, ds["spec"]["template"]["metadata"]["annotations"])
