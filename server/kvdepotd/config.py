@@ -8,35 +8,17 @@ held them. The result is a frozen DaemonConfig; the core never reads files or th
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
-import re
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvdepot.connector.config import ENV_NAMES as CONNECTOR_ENV
 from kvdepot.lane import check_unix_path, unix_path
+from kvdepotd.environment import ENV_PREFIX, options_in
 
 DEFAULT_LISTEN = "127.0.0.1:50061"
-ENV_PREFIX = "KVDEPOT_"
-# The KVDEPOT_* variables that are not the daemon's options: the connectors' (CONNECTOR_ENV) and
-# those of the project's scripts, tests and container files (docs/development.md, docs/deploy.md).
-# Any other is refused, as a misspelled option would otherwise be ignored.
-OTHER_ENV = CONNECTOR_ENV | {
-    ENV_PREFIX + name
-    for name in (
-        "CONFIG", "COMPILE", "EXPECT_COMPILED", "REQUIRE_CONTAINERS", "REQUIRE_MONITORING", "REQUIRE_TLS_STORE", "VALKEY_SERVER",
-        "SOAK_S", "IMAGE", "ENGINE_IMAGE", "CONTAINER_STATE", "MODELS", "MODEL", "DTYPE", "MAX_MODEL_LEN", "ENGINE_KV_GIB", "PORT",
-        "METRICS_PORT", "ENGINE_PORT", "DEBIAN_MIRROR",
-    )
-}
-# What Kubernetes puts in every container's environment for a Service named kvdepot (or kvdepot-*)
-# in the namespace: KVDEPOT_SERVICE_HOST, KVDEPOT_PORT_50061_TCP_ADDR and the like (the manifests
-# turn them off with enableServiceLinks: false; other pods' may not).
-SERVICE_LINK = re.compile(r"KVDEPOT_(?:[A-Z0-9_]+_)?(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:ADDR|PORT|PROTO))?)?)")
 
 
 class ConfigError(ValueError):
@@ -447,21 +429,10 @@ def load(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> Daemo
     path = args.config or env.get(ENV_PREFIX + "CONFIG")
     if path:
         values.update(_parse_source(_read_toml(path), f"config file {path}"))
-    env_values = {}
-    for k, v in env.items():
-        name = k[len(ENV_PREFIX) :].lower()
-        if not k.startswith(ENV_PREFIX) or k in OTHER_ENV:
-            continue
-        if name not in PARSERS:
-            if SERVICE_LINK.fullmatch(k):
-                continue
-            near = difflib.get_close_matches(name, PARSERS, n=1, cutoff=0.6)
-            hint = f"; did you mean {ENV_PREFIX}{near[0].upper()}?" if near else ""
-            raise ConfigError(
-                f"unknown variable {k} in the environment{hint} (every KVDEPOT_* variable must be an option of the daemon "
-                "or one the connectors or the project's scripts read; docs/operations.md lists the options)"
-            )
-        env_values[name] = v
+    try:
+        env_values = options_in(env, PARSERS)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     values.update(_parse_source(env_values, "environment", prefix=ENV_PREFIX))
     flag_values = {f.name: getattr(args, f.name) for f in fields(DaemonConfig) if getattr(args, f.name, None) is not None}
     values.update(_parse_source(flag_values, "command line", prefix="--"))

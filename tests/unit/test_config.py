@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepotd import cli, config
+from kvdepotd import cli, config, environment
 
 
 def load(argv: list[str], env: dict[str, str] | None = None) -> config.DaemonConfig:
@@ -103,8 +103,8 @@ def test_every_kvdepot_variable_the_project_names_is_known() -> None:
             names.setdefault(name, str(path.relative_to(root)))
     names.pop("KVDEPOT_HOST_GB", None)  # docs/operations.md's example of a refused one
     unknown = {n: where for n, where in names.items()
-               if n not in config.OTHER_ENV and n[len("KVDEPOT_") :].lower() not in config.PARSERS and not config.SERVICE_LINK.fullmatch(n)}
-    assert not unknown, f"KVDEPOT_* variables neither options nor in config.OTHER_ENV: {unknown}"
+               if n not in environment.OTHER_ENV and n[len("KVDEPOT_") :].lower() not in config.PARSERS and not environment.SERVICE_LINK.fullmatch(n)}
+    assert not unknown, f"KVDEPOT_* variables neither options nor in environment.OTHER_ENV: {unknown}"
 
 
 def test_every_option_has_help() -> None:

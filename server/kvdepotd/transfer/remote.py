@@ -12,9 +12,9 @@
           with the namespace's key) over both.
   read    one batch gets the values; each is checked (every header field, then the tag over the
           header and the data, after it was copied into the host cell it is staged in; a value
-          whose tag fails is told corrupt or forged by its data's checksums) before it is reported. A corrupt or forged value is deleted from the store. The
-          report comes only after the client returned: nothing writes into a host cell after the
-          core may reuse it.
+          whose tag fails is told corrupt or forged by its data's checksums) before it is
+          reported. A corrupt or forged value is deleted from the store. The report comes only
+          after the client returned: nothing writes into a host cell after the core may reuse it.
 A key that fails (missing, evicted, its node down, the request's timeout) fails that block alone;
 the load it was for recomputes it. No job takes longer than the store's request timeout: a batch
 that timed out is not asked again key by key.
