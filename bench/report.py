@@ -64,10 +64,10 @@ FIGURES = (
     Figure("remote tier read / client MGET", "remote_tier", "throughput.read_over_mget", ">= 1.0", "", "bench/remote_tier.py"),
     Figure("vLLM: recompute / remote hit, 3500 tokens", "remote_tier", "ttft.recompute_over_remote_hit", ">= 5", "x", "bench/remote_tier.py"),
     Figure("vLLM: remote hit / local hit, 3500 tokens", "remote_tier", "ttft.remote_hit_over_local_hit", "<= 3", "x", "bench/remote_tier.py"),
-    Figure("restart to SERVING, 4 GiB host tier", "startup", "default_s", "<= 2", " s", "bench/startup.py", range_key="default_range_s"),
-    Figure("restart to SERVING, + disk tier of 10k blocks", "startup", "disk_s", "<= 2", " s", "bench/startup.py", range_key="disk_range_s"),
+    Figure("restart to SERVING, 8 GiB host tier", "startup", "default_s", "<= 1", " s", "bench/startup.py", range_key="default_range_s"),
+    Figure("restart to SERVING, + disk tier of 10k blocks", "startup", "disk_s", "<= 1", " s", "bench/startup.py", range_key="disk_range_s"),
     Figure("a busy port fails after", "startup", "busy_port_s", "< 1", " s", "bench/startup.py", range_key="busy_port_range_s"),
-    Figure("daemon memory once SERVING (4 GiB tier)", "startup", "rss_mib", "", " MiB", "bench/startup.py"),
+    Figure("daemon memory once SERVING (8 GiB tier)", "startup", "rss_mib", "", " MiB", "bench/startup.py"),
 )
 
 

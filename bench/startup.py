@@ -3,15 +3,16 @@
 Each figure is the median of --repeat starts of a real `kvdepotd serve` process (the interpreter
 this runs under, so `PYTHONPATH=$(scripts/build-compiled)` times the compiled build), from spawning
 the process to its first SERVING answer to a gRPC health check polled every 10 ms:
-  default          the defaults: a 4 GiB host tier, no disk tier
-  disk             the defaults plus a 32 GiB disk tier that holds --disk-blocks blocks, written
+  default          the defaults but an 8 GiB host tier (--host-gib), no disk tier
+  disk             that plus a 32 GiB disk tier that holds --disk-blocks blocks, written
                    by an earlier daemon of this run and recovered at each start (every block's
                    header is read and checked against the journal)
   busy_port        a second daemon asked to listen on the first one's port: time until it exits
                    (it must exit non-zero, saying which address is taken)
 `disk_recovery_s` is the part of `disk_s` the recovery took (the daemon's own figure), and
-the daemon's resident memory once SERVING with the default tier (`rss_mib`). Target (issue
-27): default and disk starts <= 2 s, busy_port < 1 s. Prints one JSON line.
+the daemon's resident memory once SERVING with the default tier (`rss_mib`). Targets: default and
+disk starts <= 1 s (issue 43: torch is imported when an engine maps memory, not at start),
+busy_port < 1 s. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -108,21 +109,22 @@ def fill_disk(address: str, blocks: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--host-gib", type=float, default=8, help="the host tier's size at every start")
     ap.add_argument("--disk-blocks", type=int, default=10_000)
     ap.add_argument("--disk-gib", type=float, default=32, help="the disk tier's size; it must fit in --dir's free space")
     ap.add_argument("--dir", default=None, help="where the disk tier goes (default: the temp dir)")
     args = ap.parse_args()
-    out: dict[str, object] = {"bench": "startup", "host_gib": 4, "disk_gib": args.disk_gib, "disk_blocks": args.disk_blocks}
+    out: dict[str, object] = {"bench": "startup", "host_gib": args.host_gib, "disk_gib": args.disk_gib, "disk_blocks": args.disk_blocks}
 
     default: list[float] = []
     busy: list[float] = []
     for _ in range(args.repeat):
         address = f"127.0.0.1:{free_port()}"
-        took, proc = time_to_serving(address)
+        took, proc = time_to_serving(address, "--host-gib", str(args.host_gib))
         default.append(took)
         out["rss_mib"] = round(rss_mib(proc.pid))
         t0 = time.perf_counter()
-        second = spawn(address)
+        second = spawn(address, "--host-gib", str(args.host_gib))
         _, err = second.communicate(timeout=60)
         busy.append(time.perf_counter() - t0)
         if second.returncode == 0 or address not in err.decode():
@@ -141,7 +143,7 @@ def main() -> int:
         finally:
             stop(proc)
         for _ in range(args.repeat):
-            took, proc = time_to_serving(address, *disk_args)
+            took, proc = time_to_serving(address, *disk_args, "--host-gib", str(args.host_gib))
             stats = DepotClient(address, strict=True).stats()
             recovered = stats.disk_recovered_blocks
             recovery.append(stats.disk_recovery_s)
@@ -155,7 +157,7 @@ def main() -> int:
     for name, xs in (("default", default), ("disk", disk), ("disk_recovery", recovery), ("busy_port", busy)):
         out[f"{name}_s"] = round(statistics.median(xs), 3)
         out[f"{name}_range_s"] = [round(min(xs), 3), round(max(xs), 3)]
-    out["targets_met"] = out["default_s"] <= 2 and out["disk_s"] <= 2 and out["busy_port_s"] < 1  # type: ignore[operator]
+    out["targets_met"] = out["default_s"] <= 1 and out["disk_s"] <= 1 and out["busy_port_s"] < 1  # type: ignore[operator]
     print(json.dumps(out))
     return 0
 

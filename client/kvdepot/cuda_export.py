@@ -23,11 +23,12 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.v1 import kvdepot_pb2 as pb
+
+if TYPE_CHECKING:  # the storage exported is torch's; the daemon imports this module without torch
+    import torch
 
 
 IPC_HANDLE_BYTES = 64

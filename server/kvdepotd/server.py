@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
-import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -184,10 +183,6 @@ class Daemon:
             self.arena = HostArena(cfg.host_bytes)
         except ArenaError as e:
             raise StartupError(str(e)) from None
-        # The copy engine runs copies on its own threads, each copy on one of them; torch's
-        # intra-op threads inside each copy would only contend with those (their OpenMP teams
-        # wait on each other) and slow the copies down.
-        torch.set_num_threads(1)
         self.metrics = Metrics(self.depot, lambda: self.runtime.copy.mapped_bytes)
         faults = Faults(cfg.fault_load_delay_ms, cfg.fault_corrupt_loads, cfg.fault_store_delay_ms)
         if faults.load_delay_ms or faults.corrupt_loads or faults.store_delay_ms:

@@ -226,7 +226,7 @@ def test_populate_faults_a_fresh_mapping_in() -> None:
     try:
         [req] = kv.share()
         m = map_rank(E, LAYOUT, rank_spec(req))
-        addr, size_kib = m.storages[0].data_ptr(), m.storages[0].nbytes() // 1024
+        addr, size_kib = m.storages[0].address, m.storages[0].nbytes // 1024
         assert size_kib >= 1024 and _rss_kib(addr) < size_kib // 4
         stopped = threading.Event()
         stopped.set()

@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from kvdepotd.storage import host_arena
 from kvdepotd.storage.host_arena import CHUNK, LOOKAHEAD, ArenaError, HostArena
+from kvdepotd.storage.lazy_torch import NVIDIA_DEVICE
 
 
 def backed_soon(arena: HostArena, nbytes: int) -> bool:
@@ -48,7 +52,7 @@ def test_prepare_all_backs_everything_and_keeps_what_was_written() -> None:
         arena.close()
 
 
-@pytest.mark.parametrize("kernel", ["populate", "zeroing"])
+@pytest.mark.parametrize("kernel", ["populate", "fallocate"])
 def test_a_chunk_that_cannot_be_backed_fails_ensure_with_the_reason(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
     arena = HostArena(4 * CHUNK + LOOKAHEAD)
     try:
@@ -56,15 +60,8 @@ def test_a_chunk_that_cannot_be_backed_fails_ensure_with_the_reason(monkeypatch:
         if kernel == "populate":
             monkeypatch.setattr(host_arena, "populate_write", lambda addr, n: errno.ENOMEM)
         else:
-            class Unbacked:  # what torch raises when the memory behind a write is gone
-                def narrow(self, *_: int) -> Unbacked:
-                    return self
-
-                def zero_(self) -> None:
-                    raise RuntimeError("unable to write to file")
-
             monkeypatch.setattr(arena, "_populate", False)  # a kernel without MADV_POPULATE_WRITE
-            monkeypatch.setattr(arena, "tensor", Unbacked())
+            monkeypatch.setattr(host_arena, "allocate", lambda fd, off, n: errno.ENOSPC)  # /dev/shm is full
         assert arena.ensure(LOOKAHEAD)  # what is backed stays usable
         assert not arena.ensure(arena.total_bytes)
         assert "could not back" in arena.error and "GiB" in arena.error
@@ -79,3 +76,30 @@ def test_an_empty_tier_has_no_thread() -> None:
     assert arena.ensure(0) and arena.ready_bytes == 0
     arena.close()
     assert host_arena.LOOKAHEAD > 0
+
+
+def test_a_kernel_without_populate_write_backs_by_allocating_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    arena = HostArena(2 * CHUNK + LOOKAHEAD)
+    try:
+        monkeypatch.setattr(arena, "_populate", False)
+        assert arena.ensure(arena.total_bytes) and not arena.error
+        assert os.fstat(arena._file).st_blocks * 512 >= arena.total_bytes  # every byte reserved in the file
+        ctypes.memset(arena.base + arena.total_bytes - 4096, 7, 4096)
+        assert ctypes.string_at(arena.base, 16) == bytes(16)
+    finally:
+        arena.close()
+
+
+def test_the_daemon_starts_without_torch() -> None:
+    """torch is imported when an engine maps memory (or a GPU is there to pin for), not at start:
+    it was most of the start's second."""
+    if os.path.exists(NVIDIA_DEVICE):
+        pytest.skip("a GPU machine: the host tier is pinned, with torch, from the start")
+    code = (
+        "import sys; import kvdepotd.server; from kvdepotd.storage.host_arena import HostArena; "
+        "a = HostArena(1 << 24); a.ensure(1 << 20); a.close(); "
+        "assert 'torch' not in sys.modules, 'torch imported at start'; "
+        "from kvdepotd.storage.lazy_torch import torch; t = torch(); assert t.get_num_threads() == 1"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -55,6 +55,25 @@ def test_repeated_prompt_is_loaded_byte_exact(depot: DaemonProcess, kind: str, m
         assert "(memory handed over)" in depot.log()
 
 
+def test_a_daemon_serving_cpu_engines_never_loads_torch() -> None:
+    """With the native block copy (the build `pip install .` makes) CPU memory is mapped and copied
+    without torch: the daemon never loads it (a second of start-up, ~200 MiB, and a stall of the
+    event loop while its library initializes), not even once an engine's blocks moved."""
+    from kvdepotd.storage.lazy_torch import NVIDIA_DEVICE
+    from kvdepotd.transfer import blockcopy
+
+    if not blockcopy.available or os.path.exists(NVIDIA_DEVICE):
+        pytest.skip("torch copies CPU blocks without the native block copy; a GPU machine pins the host tier with it")
+    with DaemonProcess(args=["--host-gib", "0.0625"]) as d:
+        e = engine(d, "vllm_cpu")
+        assert served_again(e, list(range(1000, 1200)), max_new_tokens=3) == 192
+        e.check()
+        close(e)
+        assert d.proc is not None
+        with open(f"/proc/{d.proc.pid}/maps") as f:
+            assert "libtorch" not in f.read()
+
+
 def test_mixed_local_and_daemon_blocks_byte_exact(depot: DaemonProcess) -> None:
     e = engine(depot, "vllm_cpu", model="mixed")
     p = list(range(7000, 7080)) + [1, 2, 3]

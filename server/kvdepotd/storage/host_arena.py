@@ -10,7 +10,8 @@ blocks use (none for engines that move no bytes), and the copy path neither pays
 nor meets a SIGBUS when /dev/shm runs out (the piece fails to back and the copy fails instead).
 
 Backing uses madvise(MADV_POPULATE_WRITE), which does not write to the memory; on kernels without
-it a piece is zeroed, which is as safe, because no copy ever writes beyond the backed bytes. It goes
+it a piece is allocated in the region's file (posix_fallocate), which is as safe: no copy ever
+writes beyond the backed bytes, and the file has the memory for every one of them. It goes
 PIECE bytes per call: the kernel holds the process's memory-map lock for a call, and an event loop
 that maps memory meanwhile waits for it (docs/performance.md). The thread runs at BACKING_NICE: the
 kernel's page clearing is work the engine and the event loop come before. With CUDA, each CHUNK is
@@ -30,9 +31,8 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from kvdepotd.core.disk import is_private
+from kvdepotd.storage.lazy_torch import cuda_present, torch
 
 log = logging.getLogger("kvdepotd")
 PIECE = 2 << 20  # bytes backed per call (the memory-map lock is held that long)
@@ -69,6 +69,16 @@ def populate_write(addr: int, nbytes: int) -> int:
     return 0 if _madvise(addr, nbytes, MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
 
 
+def allocate(fd: int, offset: int, nbytes: int) -> int:
+    """posix_fallocate of the region's file: the pages reserved, or the errno (ENOSPC when the
+    memory cannot be had, where a write would have met SIGBUS). For kernels before 5.14."""
+    try:
+        os.posix_fallocate(fd, offset, nbytes)
+    except OSError as e:
+        return e.errno or errno.EIO
+    return 0
+
+
 class HostArena:
     def __init__(self, total_bytes: int, directory: str = "/dev/shm", private: bool = False) -> None:
         """`private`: the memory of one private domain (engines that copy their blocks themselves,
@@ -76,6 +86,7 @@ class HostArena:
         so that no holder can shrink or grow it; the daemon pins none of it (the workers do)."""
         self.total_bytes = total_bytes
         self.fd = -1
+        self._file = -1  # the region's file (the memfd, or the unlinked file under /dev/shm)
         self.checksums: dict[tuple[str, int, int], int] = {}  # (layout class, cell, rank) -> xxh3
         self.ready_bytes = 0  # [0, ready_bytes) is backed by memory (and pinned with CUDA)
         self.error = ""  # why backing more failed: copies beyond ready_bytes fail with it
@@ -85,18 +96,19 @@ class HostArena:
         self._closing = False
         self._pinned: list[tuple[int, int]] = []  # (address, bytes) registered with CUDA
         self._populate = True  # until the kernel says it has no MADV_POPULATE_WRITE
-        self._cuda = torch.cuda.is_available() and not private
+        self._cuda = not private and total_bytes > 0 and cuda_present()
+        self._mmap: mmap.mmap | None = None
+        self._tensor: Any = None
         if total_bytes == 0:
-            self.tensor = torch.empty(0, dtype=torch.uint8)
             self.base = 0
             return
         if private:
             self.fd = os.memfd_create("kvdepotd-private-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             os.ftruncate(self.fd, total_bytes)  # sparse: memory is taken as blocks arrive, as in the main arena
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._file = self.fd
             self._mmap = mmap.mmap(self.fd, total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-            self.base = self.tensor.data_ptr()
+            self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
             self._thread = threading.Thread(target=self._back, name="kvdepot-arena-private", daemon=True)
             self._thread.start()
             return
@@ -108,17 +120,27 @@ class HostArena:
                 f"{free / 2**30:.2f} GiB free: lower --host-gib or enlarge {directory}"
             )
         path = os.path.join(directory, f"kvdepotd-{os.getpid()}-{time.monotonic_ns()}.arena")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._file = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, total_bytes)
-            self.tensor = torch.from_file(path, shared=True, size=total_bytes, dtype=torch.uint8)
+            os.ftruncate(self._file, total_bytes)
+            self._mmap = mmap.mmap(self._file, total_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self._file)
+            raise
         finally:
-            os.close(fd)
             os.unlink(path)
-        self.base = self.tensor.data_ptr()
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
         self._thread = threading.Thread(target=self._back, name="kvdepot-arena", daemon=True)
         self._thread.start()
         self.want(0)
+
+    @property
+    def tensor(self) -> Any:
+        """A torch uint8 tensor over the region (made at first use: torch is imported then)."""
+        if self._tensor is None:
+            t = torch()
+            self._tensor = t.empty(0, dtype=t.uint8) if self._mmap is None else t.frombuffer(self._mmap, dtype=t.uint8)
+        return self._tensor
 
     def want(self, upto: int) -> None:
         """Has the thread back the region up to byte `upto` and LOOKAHEAD beyond, in the background."""
@@ -172,10 +194,9 @@ class HostArena:
         if err in (errno.EINVAL, errno.ENOSYS):  # a kernel without MADV_POPULATE_WRITE: zero the pieces from now on
             self._populate, err = False, 0
         if not self._populate:
-            try:
-                self.tensor.narrow(0, start, n).zero_()  # nothing was written there yet (see ensure)
-            except RuntimeError as e:
-                self.error = f"host tier: could not back {start / 2**30:.2f} GiB and on with memory: {e}"
+            err = allocate(self._file, start, n)
+            if err:
+                self.error = f"host tier: could not back {start / 2**30:.2f} GiB and on with memory ({os.strerror(err)})"
         elif err:
             self.error = f"host tier: /dev/shm could not back {start / 2**30:.2f} GiB and on with memory ({os.strerror(err)})"
         if self.error:
@@ -184,7 +205,7 @@ class HostArena:
         end = start + n
         if self._cuda and (end % CHUNK == 0 or end == self.total_bytes):
             lo = (start // CHUNK) * CHUNK
-            rc = torch.cuda.cudart().cudaHostRegister(self.base + lo, end - lo, 0)
+            rc = torch().cuda.cudart().cudaHostRegister(self.base + lo, end - lo, 0)
             if int(rc) == 0:
                 self._pinned.append((self.base + lo, end - lo))
             elif not self._pinned:
@@ -201,11 +222,11 @@ class HostArena:
         self._thread.join()
         with self._lock:
             for ptr, _ in self._pinned:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+                torch().cuda.cudart().cudaHostUnregister(ptr)
             self._pinned.clear()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self._file >= 0:
+            os.close(self._file)
+            self._file = self.fd = -1
 
 
 class Arenas:

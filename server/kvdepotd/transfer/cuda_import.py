@@ -10,12 +10,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.cuda_export import IPC_HANDLE_BYTES, Unshareable, check, driver, ipc_handle, primary_context
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
+from kvdepotd.storage.lazy_torch import torch as _torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class _Mapped:
 def open_storage(h: CudaDriverStorage, fds: Mapping[str, int]) -> torch.Tensor:
     """The storage's bytes as a uint8 tensor on its device (`fds`: the descriptors its chunks name,
     the caller's to close)."""
+    torch = _torch()
     if not torch.cuda.is_available():
         raise FailedPrecondition("this daemon has no CUDA device: it cannot map cuda_driver handles")
     if h.device >= torch.cuda.device_count():

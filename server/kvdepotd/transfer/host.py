@@ -36,14 +36,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from kvdepot.layout import KvLayout
 from kvdepotd.core.ops import OpId, OpKind, Part
 from kvdepotd.core.pool import CellId
 from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
 from kvdepotd.storage.host_arena import Arenas
+from kvdepotd.storage.lazy_torch import torch
 from kvdepotd.transfer import blockcopy
 from kvdepotd.transfer.base import Copied, CopyEngine, PartDone
 from kvdepotd.transfer.engine_copy import CopyOrder, EngineCopyRank, EngineParts, engine_pass
@@ -136,7 +136,7 @@ class HostCopyEngine(EngineParts, CopyEngine):
         self._closing = False
         self._workers: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._streams: dict[str, Any] = {}  # device -> torch.cuda.Stream
         self._events: dict[tuple[str, int], tuple[int, bytes]] = {}  # (engine, rank) -> last (step, CUDA event handle)
         self._live: dict[OpId, list[_Part]] = {}  # parts queued or copying, by op (the event loop's)
 
@@ -331,7 +331,7 @@ class HostCopyEngine(EngineParts, CopyEngine):
         plan, m, rank = part.plan, part.mapping, part.plan.rank
         assert isinstance(m, RankMapping)
         if part.event is not None and m.device != "cpu":  # the forward may still be running on the GPU
-            self._stream(m).wait_event(torch.cuda.Event.from_ipc_handle(torch.device(m.device), part.event))
+            self._stream(m).wait_event(torch().cuda.Event.from_ipc_handle(torch().device(m.device), part.event))
         store = plan.kind is OpKind.STORE
         copy = store or not part.checking
         check = not store and (part.checking or not plan.check_late or m.packed is not None)
@@ -409,17 +409,17 @@ class HostCopyEngine(EngineParts, CopyEngine):
         """One block between a CUDA KV cache and the (pinned) host arena, on the rank's stream."""
         stream = self._stream(m)
         host = self.arenas.main.tensor
-        with torch.cuda.stream(stream):
+        with torch().cuda.stream(stream):
             for r in m.runs:
                 dev = m.storage_bytes[r.storage].narrow(0, r.storage_offset + bid * r.block_stride, r.nbytes)
                 h = host.narrow(0, hoff + r.host_offset, r.nbytes)
                 (h.copy_(dev, non_blocking=True) if to_host else dev.copy_(h, non_blocking=True))
         stream.synchronize()
 
-    def _stream(self, m: RankMapping) -> torch.cuda.Stream:
+    def _stream(self, m: RankMapping) -> Any:
         stream = self._streams.get(m.device)
         if stream is None:
-            stream = self._streams[m.device] = torch.cuda.Stream(device=m.device)
+            stream = self._streams[m.device] = torch().cuda.Stream(device=m.device)
         return stream
 
     async def close(self) -> None:

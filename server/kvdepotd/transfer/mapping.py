@@ -16,6 +16,7 @@ registered by path can still be shrunk by its owner; the copies guard against th
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import os
@@ -24,14 +25,17 @@ import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvdepot.layout import KvLayout, TensorMeta, block_regions
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest
 from kvdepotd.storage.host_arena import PIECE, populate_write
+from kvdepotd.storage.lazy_torch import torch as _torch
 from kvdepotd.transfer import blockcopy
 from kvdepotd.transfer.cuda_import import CudaDriverStorage, open_storage
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = "/dev/shm"
 MAX_TENSORS = 4096
@@ -102,10 +106,9 @@ class RankMapping:
     rank: int
     num_blocks: int
     runs: list[Run]
-    storages: list[torch.UntypedStorage]  # kept alive: the mappings live as long as these do
+    storages: list[Storage]  # kept alive: the mappings live as long as these do
     mapped_bytes: int
     device: str  # "cpu" or "cuda:N"
-    storage_bytes: list[torch.Tensor]  # a uint8 tensor over each storage (on its device)
     # When a block's runs are equally long, equally spaced and in one storage (vLLM CPU's layer
     # views of one storage; the contiguous layout), one strided tensor copy moves the whole block:
     # (storage, byte offset of run 0 of block 0, gap between runs, run bytes, runs).
@@ -121,6 +124,21 @@ class RankMapping:
     # (closed when the mapping goes, like the storages).
     files: list[tuple[io.FileIO, int]] = field(default_factory=list)
     warned_shrunk: bool = False
+    _tensors: list[torch.Tensor] | None = None
+
+    @property
+    def storage_bytes(self) -> list[torch.Tensor]:
+        """A uint8 tensor over each storage, on its device: made at first use, for the copies that
+        go through torch (GPU memory; CPU memory without the native block copy), so that a daemon
+        whose engines map only CPU memory never imports torch."""
+        if self._tensors is None:
+            torch = _torch()
+            self._tensors = [
+                torch.frombuffer(s.keep, dtype=torch.uint8) if isinstance(s.keep, mmap.mmap)
+                else torch.empty(0, dtype=torch.uint8, device=self.device).set_(s.keep, 0, (s.nbytes,))
+                for s in self.storages
+            ]
+        return self._tensors
 
     def shrunk(self) -> bool:
         """A file registered by path no longer reaches the end of its registered range: a copy
@@ -150,8 +168,18 @@ class RankMapping:
 
 
 @dataclass(frozen=True, slots=True)
+class Storage:
+    """One mapped storage: what keeps the mapping alive (the mmap of CPU memory, torch's storage
+    of GPU memory), where it starts and how long it is."""
+
+    keep: object
+    address: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Opened:
-    storage: torch.UntypedStorage
+    storage: Storage
     start: int  # the address where the registered range starts
     file: io.FileIO | None  # a file its owner may shrink (registered by path), kept open to check it
     end: int  # where the registered range ends in that file
@@ -199,13 +227,13 @@ def _map_range(fd: int, h: ShmStorage, max_bytes: int, what: str, keep: bool) ->
         mm = mmap.mmap(fd, h.offset + h.size - lo, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
     except OSError as e:
         raise InvalidRequest(f"{what} cannot be mapped for writing: {e.strerror}") from None
-    storage = torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()  # keeps the mapping alive
-    return _Opened(storage, storage.data_ptr() + h.offset - lo, io.FileIO(fd, "r+", closefd=True) if keep else None, h.offset + h.size)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    return _Opened(Storage(mm, address, len(mm)), address + h.offset - lo, io.FileIO(fd, "r+", closefd=True) if keep else None, h.offset + h.size)
 
 
 def _open_cuda_driver(h: CudaDriverStorage, fds: Mapping[str, int]) -> _Opened:
     storage = open_storage(h, fds).untyped_storage()  # keeps the mapping alive
-    return _Opened(storage, storage.data_ptr(), None, 0)
+    return _Opened(Storage(storage, storage.data_ptr(), storage.nbytes()), storage.data_ptr(), None, 0)
 
 
 def _open(s: ShmStorage | CudaStorage | CudaDriverStorage, fds: Mapping[str, int], max_bytes: int) -> _Opened:
@@ -215,6 +243,7 @@ def _open(s: ShmStorage | CudaStorage | CudaDriverStorage, fds: Mapping[str, int
 
 
 def _open_cuda_ipc(h: CudaStorage) -> _Opened:
+    torch = _torch()
     if not torch.cuda.is_available():
         raise FailedPrecondition("this daemon has no CUDA device: it cannot map cuda_ipc handles")
     if h.device >= torch.cuda.device_count():
@@ -223,7 +252,7 @@ def _open_cuda_ipc(h: CudaStorage) -> _Opened:
         storage = torch.UntypedStorage._new_shared_cuda(
             h.device, h.handle, h.size, h.offset, h.ref_counter_handle, h.ref_counter_offset, h.event_handle, h.event_sync_required
         )
-        return _Opened(storage, storage.data_ptr(), None, 0)
+        return _Opened(Storage(storage, storage.data_ptr(), storage.nbytes()), storage.data_ptr(), None, 0)
     except RuntimeError as e:
         raise InvalidRequest(f"cuda_ipc handle does not open: {e}") from None
 
@@ -276,22 +305,19 @@ def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, 
         t = req.tensors[r.tensor]
         o = opened[t.storage]
         base = o.start + (t.storage_offset + r.offset) * esize
-        runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - o.storage.data_ptr()))
+        runs.append(Run(base, r.block_stride * esize, r.length * esize, host_off, t.storage, base - o.storage.address))
         host_off += r.length * esize
     first = req.storages[0]
     device = "cpu" if isinstance(first, ShmStorage) else f"cuda:{first.device}"  # type: ignore[union-attr]
-    storage_bytes = [
-        torch.empty(0, dtype=torch.uint8, device=device).set_(o.storage, 0, (o.storage.nbytes(),))  # type: ignore[call-overload]
-        for o in opened
-    ]
     packed = None
     if device == "cpu" and blockcopy.available:
         packed = blockcopy.pack([(r.address, r.block_stride, r.nbytes) for r in runs])
-    mapped = sum(o.storage.nbytes() for o in opened) if device == "cpu" else sum(sizes)
+    mapped = sum(o.storage.nbytes for o in opened) if device == "cpu" else sum(sizes)
     files = [(o.file, o.end) for o in opened if o.file is not None]
-    return RankMapping(
-        engine_id, req.rank, req.num_blocks, runs, [o.storage for o in opened], mapped, device, storage_bytes, _uniform(runs), packed, files=files
-    )
+    m = RankMapping(engine_id, req.rank, req.num_blocks, runs, [o.storage for o in opened], mapped, device, _uniform(runs), packed, files=files)
+    if packed is None:
+        m.storage_bytes  # noqa: B018 (its copies go through torch: imported and made here, on the registration's thread, not in a copy)
+    return m
 
 
 def populate(m: RankMapping, stop: threading.Event | None = None) -> bool:
@@ -306,8 +332,8 @@ def populate(m: RankMapping, stop: threading.Event | None = None) -> bool:
     if m.device != "cpu":
         return False
     for storage in m.storages:
-        addr = storage.data_ptr()
-        start, end = addr - addr % mmap.PAGESIZE, addr + storage.nbytes()
+        addr = storage.address
+        start, end = addr - addr % mmap.PAGESIZE, addr + storage.nbytes
         for lo in range(start, end, PIECE):
             if (stop is not None and stop.is_set()) or populate_write(lo, min(PIECE, end - lo)) != 0:
                 return False
