@@ -7,7 +7,8 @@
     close()                  waits for running jobs
 
   write   one batch asks which blocks the store holds already (another daemon wrote them: not
-          sent again), one more sets the others. A value is the header (with the checksums the
+          sent again), more set the others, SEND_BYTES at a time, each sent while the next values
+          are made. A value is the header (with the checksums the
           host tier took when the block left the engine), the block's bytes, and the tag (a MAC
           with the namespace's key) over both.
   read    one batch gets the values; each is checked (every header field, then the tag over the
@@ -29,7 +30,7 @@ import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from kvdepotd.core.remote import RemoteJob, RemoteJobKind
 from kvdepotd.storage.checksum import xxh3_at
@@ -42,6 +43,7 @@ DoneFn = Callable[[int, set[int], set[int], set[int], str, set[int]], None]
 Result = tuple[set[int], set[int], set[int], str, set[int]]  # failed, corrupt, present, message, forged (within corrupt)
 LOOKUP_FIRST = 128  # keys in a lookup's first batch; each next one is 4 times larger
 READ_THREADS = 8  # read jobs at once (a load of 8 jobs of 16 blocks: a 4096-token prompt of 32-token blocks)
+SEND_BYTES = 8 << 20  # a write job's values are sent this many bytes at a time, the next made meanwhile
 QUARANTINE_BYTES = 256 << 20  # scratch memory set aside after failed calls before buffered calls stop
 
 
@@ -126,6 +128,7 @@ class RemoteCopyEngine:
         self.observe = observe or (lambda kind, nbytes, seconds: None)
         self.note = note or (lambda what, n: None)  # failures by kind: timeout, error, missing, corrupt
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-remote")  # writes
+        self._senders = ThreadPoolExecutor(threads, thread_name_prefix="kvdepot-remote-send")  # a write's SETs, piece by piece
         # Reads wait on the store most of their time (the copies and checks let go of the GIL): a
         # load's jobs all start at once, rather than one waiting out another's timeout.
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvdepot-remote-read")
@@ -191,35 +194,41 @@ class RemoteCopyEngine:
         items = [(it, key) for it, key in zip(job.items, keys) if it.hash not in present and it.hash not in failed]
         scratch = self._scratch() if Scratch.usable() else Scratch()  # past the quarantine's bound: fresh memory each job
         views, addrs = scratch.views([header_bytes(ws, it.owner, pub) + nbytes for it, _ in items])
-        todo: list[tuple[bytes, memoryview]] = []
-        hashes = []
-        for (it, key), view, dst in zip(items, views, addrs):
-            addr = arena.base + it.host_offset
-            sums = [arena.checksums.get((cls, it.host_cell, r)) for r in range(ws)]
-            sums2 = [s if s is not None else int(xxh3_at(addr + r * rank_bytes, rank_bytes)) for r, s in enumerate(sums)]
-            head = pack_header(ws, nbytes, it.hash, it.parent, it.owner, pub, sums2, keyring.signing)
-            view[: len(head)] = head
-            ctypes.memmove(dst + len(head) + TAG_BYTES, addr, nbytes)
-            seal(keyring, it.owner, view)
-            todo.append((key, view))
-            hashes.append(it.hash)
-        message, bad = "", []
-        if todo:
-            try:
-                results = self.store.set(todo)
-            except Exception as e:
-                results = [detached(e)] * len(todo)
-                scratch.quarantine()  # the call gave up: the client may still read it, never written again
-            else:
-                if any(timed_out(r) for r in results if r is not None):
-                    scratch.quarantine()  # a node's part gave up while its bytes may still be sent
-                # (a key refused with an answer, a full store's OOM say, was sent whole: the buffer is free)
+        # Values are made a piece at a time, each piece's SET sent (on a sender thread, the client
+        # and the copy and MAC all let go of the GIL) while the next one is made.
+        sends: list[tuple[list[int], Future[tuple[list[Exception | None], bool]]]] = []
+        piece: list[tuple[bytes, memoryview]] = []
+        hashes: list[int] = []
+        try:
+            for n, ((it, key), view, dst) in enumerate(zip(items, views, addrs), 1):
+                addr = arena.base + it.host_offset
+                sums = [arena.checksums.get((cls, it.host_cell, r)) for r in range(ws)]
+                sums2 = [s if s is not None else int(xxh3_at(addr + r * rank_bytes, rank_bytes)) for r, s in enumerate(sums)]
+                head = pack_header(ws, nbytes, it.hash, it.parent, it.owner, pub, sums2, keyring.signing)
+                view[: len(head)] = head
+                ctypes.memmove(dst + len(head) + TAG_BYTES, addr, nbytes)
+                seal(keyring, it.owner, view)
+                piece.append((key, view))
+                hashes.append(it.hash)
+                if len(piece) * nbytes >= SEND_BYTES or n == len(items):
+                    sends.append((hashes, self._senders.submit(self._set, piece)))
+                    piece, hashes = [], []
+        finally:
+            wait([f for _, f in sends])  # no send may still read this thread's scratch once the job ends
+        message, bad, sent = "", [], 0
+        for hs, fut in sends:
+            results, raised = fut.result()
+            if raised or any(r is not None and timed_out(r) for r in results):
+                scratch.quarantine()  # a call, or a node's part, gave up while its bytes may still be sent: never written again
+            # (a key refused with an answer, a full store's OOM say, was sent whole: the buffer is free)
             self._failures(results)
-            bad = [h for h, r in zip(hashes, results) if r is not None]
-            failed.update(bad)
-            if bad:
-                message = f"remote store: {next(r for r in results if r is not None)}"
-        self.observe("write", (len(todo) - len(bad)) * job.block_bytes, time.perf_counter() - t0)
+            sent += len(hs)
+            for h, r in zip(hs, results):
+                if r is not None:
+                    bad.append(h)
+                    message = message or f"remote store: {r}"
+        failed.update(bad)
+        self.observe("write", (sent - len(bad)) * job.block_bytes, time.perf_counter() - t0)
         return failed, set(), present, message, set()
 
     def _read(self, job: RemoteJob) -> Result:
@@ -283,6 +292,13 @@ class RemoteCopyEngine:
                 pass  # the next reader finds it corrupt too
         self.observe("read", (len(job.items) - len(failed) - len(corrupt)) * nbytes, time.perf_counter() - t0)
         return failed, corrupt, set(), reasons[0] if reasons else "", forged
+
+    def _set(self, items: list[tuple[bytes, memoryview]]) -> tuple[list[Exception | None], bool]:
+        """Per key None or the error, and whether the call raised (gave up as a whole)."""
+        try:
+            return self.store.set(items), False
+        except Exception as e:
+            return [detached(e)] * len(items), True
 
     def _scratch(self) -> Scratch:
         s: Scratch | None = getattr(self._local, "scratch", None)
@@ -379,5 +395,6 @@ class RemoteCopyEngine:
     async def close(self) -> None:
         self._closed = True
         await asyncio.to_thread(self._pool.shutdown, wait=True)
+        self._senders.shutdown(wait=False)  # idle: every write waited for its sends
         await asyncio.to_thread(self._readers.shutdown, wait=True)
         self._fanout.shutdown(wait=False)
