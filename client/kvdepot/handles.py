@@ -9,6 +9,10 @@
     export_cuda_tensors(tensors) torch's CUDA IPC sharing fields per storage, else the CUDA driver's
                                  handles (kvdepot.cuda_export: memory of any allocator)
     engine_copy_request(tensors) the registration of a rank that copies its blocks itself
+    allocating_on_shared_memory(memfd)   a context inside which the engine's KV cache allocation
+                                 (one large CPU torch.zeros) is made on a memfd or /dev/shm file
+                                 from the start; the share_* functions then find the tensors there
+                                 and copy nothing (else they copy, as above)
     remove_shm_files(paths)      unlinks what share_cpu_tensors created (also done at interpreter exit;
                                  the mappings stay valid, the files only serve a daemon that restarts)
     remove_stale_files()         unlinks files of engine processes that died without exiting (done
@@ -20,11 +24,16 @@ They return a pb.RegisterKvCachesRequest without engine id and rank, ready for r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
+import logging
 import mmap
 import os
+import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +42,8 @@ from kvdepot.cuda_export import Unshareable
 from kvdepot.v1 import kvdepot_pb2 as pb
 
 SHM_DIR = "/dev/shm"
+MIN_PREMADE_BYTES = 1 << 20  # the smallest torch.zeros taken for the KV cache inside allocating_on_shared_memory
+log = logging.getLogger("kvdepot")
 _DTYPES = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
@@ -64,23 +75,127 @@ def _tensor_pb(name: str, t: torch.Tensor, storage: int) -> pb.KvTensor:
     return pb.KvTensor(name=name, storage=storage, storage_offset=int(t.storage_offset()), shape=[int(d) for d in t.shape], stride=[int(s) for s in t.stride()], dtype=_DTYPES[t.dtype])
 
 
+@dataclass(frozen=True)
+class _Premade:
+    """Shared memory the KV cache was allocated on (allocating_on_shared_memory): a memfd (fd) or
+    a /dev/shm file (path), of nbytes."""
+
+    handle: pb.CpuShmHandle
+    fd: int
+    path: str
+    nbytes: int
+
+
+_premade: dict[int, _Premade] = {}  # storage address -> where it lives
+_premade_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def allocating_on_shared_memory(memfd: bool) -> Iterator[None]:
+    """Inside it, the first CPU `torch.zeros` of at least MIN_PREMADE_BYTES of one-byte elements
+    (vLLM allocates its KV cache as one such buffer, inside the connector's get_mem_pool_context)
+    is made on shared memory: a sealed memfd (`memfd`) or a /dev/shm file. Both come zeroed from
+    the kernel, so the cache never exists twice, nor is reserved twice against a container's
+    memory limit, as it is when share_* copies it over after vLLM allocated it. Where the memory
+    cannot be had, the allocation is torch's own (and share_* copies later, or says why not)."""
+    real = torch.zeros
+    taken = False
+
+    def zeros(*size: Any, **kw: Any) -> torch.Tensor:
+        nonlocal taken
+        n = _kv_buffer_bytes(size, kw)
+        if not taken and n >= MIN_PREMADE_BYTES:
+            taken = True
+            try:
+                return _premake(n, kw["dtype"], memfd)
+            except OSError as e:
+                log.warning("kvdepot: the KV cache could not be allocated on shared memory (%s): it is copied there at registration", e)
+        return real(*size, **kw)
+
+    torch.zeros = zeros
+    try:
+        yield
+    finally:
+        torch.zeros = real
+
+
+def _kv_buffer_bytes(size: tuple[Any, ...], kw: dict[str, Any]) -> int:
+    """The bytes of a torch.zeros call that may be the KV cache: one size, a one-byte dtype, on the
+    CPU, nothing else asked for; else 0."""
+    if set(kw) - {"dtype", "device"} or kw.get("dtype") not in (torch.int8, torch.uint8):
+        return 0
+    if torch.device(kw.get("device") or "cpu").type != "cpu":
+        return 0
+    dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+    if len(dims) != 1 or not isinstance(dims[0], int):
+        return 0
+    return int(dims[0])
+
+
+def _premake(nbytes: int, dtype: torch.dtype, memfd: bool) -> torch.Tensor:
+    if memfd:
+        fd = os.memfd_create("kvdepot-kv-cache", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)  # named apart from a copy's
+        try:
+            _reserve(fd, nbytes, "of shared memory")
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        t = torch.frombuffer(mm, dtype=dtype)
+        made = _Premade(pb.CpuShmHandle(offset=0, size=nbytes), fd, "", nbytes)
+    else:
+        remove_stale_files()
+        path = _new_file(nbytes)
+        atexit.register(remove_shm_files, [path])
+        t = torch.from_file(path, shared=True, size=nbytes, dtype=dtype)
+        made = _Premade(pb.CpuShmHandle(path=path, offset=0, size=nbytes), -1, path, nbytes)
+    with _premade_lock:
+        _premade[t.untyped_storage().data_ptr()] = made
+    return t
+
+
+def _adopt(s: torch.UntypedStorage, memfd: bool) -> _Premade | None:
+    """The shared memory `s` was allocated on, of the kind asked for (taken: it is registered once)."""
+    with _premade_lock:
+        made = _premade.get(s.data_ptr())
+        if made is None or made.nbytes != s.nbytes() or (made.fd >= 0) != memfd:
+            return None
+        return _premade.pop(s.data_ptr())
+
+
+def _new_file(nbytes: int) -> str:
+    path = os.path.join(SHM_DIR, f"kvdepot-{os.getpid()}-{uuid.uuid4().hex[:12]}.kv")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _reserve(fd, nbytes, f"in {SHM_DIR} (give the engine a larger {SHM_DIR}, e.g. docker --shm-size, or reach the daemon at a unix: address, which takes memfds)")
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return path
+
+
 def share_cpu_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str] = ()) -> tuple[pb.RegisterKvCachesRequest, list[str]]:
     """Moves CPU tensors onto /dev/shm files; returns the registration and the files' paths."""
     remove_stale_files()
     paths: list[str] = []
 
     def onto_file(nbytes: int) -> tuple[torch.Tensor, pb.CpuShmHandle]:
-        path = os.path.join(SHM_DIR, f"kvdepot-{os.getpid()}-{uuid.uuid4().hex[:12]}.kv")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = _new_file(nbytes)
         paths.append(path)
-        try:
-            _reserve(fd, nbytes, f"in {SHM_DIR} (give the engine a larger {SHM_DIR}, e.g. docker --shm-size, or reach the daemon at a unix: address, which takes memfds)")
-        finally:
-            os.close(fd)
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), pb.CpuShmHandle(path=path, offset=0, size=nbytes)
 
+    def adopt(s: torch.UntypedStorage) -> pb.CpuShmHandle | None:
+        made = _adopt(s, memfd=False)
+        if made is None:
+            return None
+        paths.append(made.path)
+        return made.handle
+
     try:
-        req = _move_cpu_tensors(tensors, num_blocks, names, onto_file)
+        req = _move_cpu_tensors(tensors, num_blocks, names, onto_file, adopt)
     except BaseException:
         remove_shm_files(paths)
         raise
@@ -103,8 +218,15 @@ def share_cpu_tensors_memfd(tensors: Sequence[torch.Tensor], num_blocks: int, na
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], pb.CpuShmHandle(offset=0, size=nbytes)
 
+    def adopt(s: torch.UntypedStorage) -> pb.CpuShmHandle | None:
+        made = _adopt(s, memfd=True)
+        if made is None:
+            return None
+        fds.append(made.fd)
+        return made.handle
+
     try:
-        return _move_cpu_tensors(tensors, num_blocks, names, onto_memfd), fds
+        return _move_cpu_tensors(tensors, num_blocks, names, onto_memfd, adopt), fds
     except BaseException:
         close_fds(fds)
         raise
@@ -123,15 +245,24 @@ def _reserve(fd: int, nbytes: int, where: str) -> None:
 
 
 def _move_cpu_tensors(
-    tensors: Sequence[torch.Tensor], num_blocks: int, names: Sequence[str], make: Callable[[int], tuple[torch.Tensor, pb.CpuShmHandle]]
+    tensors: Sequence[torch.Tensor],
+    num_blocks: int,
+    names: Sequence[str],
+    make: Callable[[int], tuple[torch.Tensor, pb.CpuShmHandle]],
+    adopt: Callable[[torch.UntypedStorage], pb.CpuShmHandle | None],
 ) -> pb.RegisterKvCachesRequest:
-    """Copies each storage's bytes into shared memory from `make` and re-points the tensors there."""
+    """Copies each storage's bytes into shared memory from `make` and re-points the tensors there;
+    a storage already on shared memory of its own (`adopt`: allocating_on_shared_memory) stays."""
     storages, which = _group(tensors)
     moved: list[torch.UntypedStorage] = []
     handles = []
     for s in storages:
         if s.device.type != "cpu":
             raise ValueError("share_cpu_tensors takes CPU tensors; use export_cuda_tensors for CUDA")
+        if (own := adopt(s)) is not None:
+            moved.append(s)
+            handles.append(pb.KvStorage(cpu_shm=own))
+            continue
         shm, handle = make(s.nbytes())
         shm.copy_(torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),)))  # type: ignore[call-overload]
         moved.append(shm.untyped_storage())

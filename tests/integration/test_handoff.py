@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvdepot import DepotClient, KvLayout
-from kvdepot.handles import close_fds, share_cpu_tensors, share_cpu_tensors_memfd
+from kvdepot.handles import allocating_on_shared_memory, close_fds, remove_shm_files, share_cpu_tensors, share_cpu_tensors_memfd
 from kvdepot.handoff import connect, hand_over, handoff_path
 from kvdepot.lane import FRAME, LocalRpcError, answer
 from kvdepot.testing import DaemonProcess, FakeEngine
@@ -93,6 +93,46 @@ def test_memfd_share_keeps_values_and_cannot_shrink() -> None:
     finally:
         close_fds(fds)
     tensors[2].add_(1)  # the memory outlives the descriptors
+
+
+@pytest.mark.parametrize("memfd", [True, False])
+def test_a_kv_cache_allocated_on_shared_memory_is_shared_without_a_copy(memfd: bool) -> None:
+    """vLLM allocates its KV cache (one int8 torch.zeros) inside the connector's
+    get_mem_pool_context: it lands on a memfd or /dev/shm file from the start, and registering it
+    copies nothing (the tensors keep their memory; the handle names that memory)."""
+    nbytes, real = 4 << 20, torch.zeros
+    with allocating_on_shared_memory(memfd):
+        small = torch.zeros(64, dtype=torch.int8)  # not the KV cache: torch's own
+        other = torch.zeros(nbytes, dtype=torch.float32)  # nor this (4-byte elements)
+        buf = torch.zeros(nbytes, dtype=torch.int8, device=torch.device("cpu"))
+        later = torch.zeros(nbytes, dtype=torch.int8)  # only the first is taken
+    assert torch.zeros is real and not buf.any()
+    views = [buf[:nbytes // 2].view(torch.float16).view(-1, 256), buf[nbytes // 2:].view(torch.float16).view(-1, 256)]
+    views[0][1, 3] = 7.0
+    addr = buf.untyped_storage().data_ptr()
+    share = share_cpu_tensors_memfd if memfd else share_cpu_tensors
+    req, held = share(views, num_blocks=views[0].shape[0])
+    try:
+        assert buf.untyped_storage().data_ptr() == addr and views[0].untyped_storage().data_ptr() == addr  # not moved
+        assert len(req.storages) == 1 and req.storages[0].cpu_shm.size == nbytes
+        want = views[0][1, 3].reshape(1).numpy().tobytes()
+        at = (256 + 3) * 2
+        if memfd:
+            assert isinstance(held[0], int) and os.pread(held[0], 2, at) == want  # the memfd handed over is the cache's memory
+            with pytest.raises(PermissionError):
+                os.ftruncate(held[0], 16)
+        else:
+            path = req.storages[0].cpu_shm.path
+            assert held == [path] and os.stat(path).st_mode & 0o777 == 0o600
+            with open(path, "rb") as f:
+                f.seek(at)
+                assert f.read(2) == want
+        for t in (small, other, later):  # torch's own memory: shared only by copying it over
+            req2, held2 = share([t.view(-1, 64)], num_blocks=t.view(-1, 64).shape[0])
+            assert t.untyped_storage().data_ptr() != addr
+            (close_fds if memfd else remove_shm_files)(held2)  # type: ignore[operator]
+    finally:
+        (close_fds if memfd else remove_shm_files)(held)  # type: ignore[operator]
 
 
 def test_no_room_for_the_kv_cache_is_an_error_before_anything_moves(tmp_path: Path) -> None:

@@ -52,6 +52,17 @@ def admin(daemon: DaemonProcess, llm: LLM) -> Iterator[DepotClient]:
     c.close()
 
 
+def test_the_kv_cache_is_allocated_on_the_memfd_it_is_shared_on(llm: LLM) -> None:
+    """vLLM allocated its KV cache inside the connector's get_mem_pool_context: the worker's KV
+    tensors live in the memfd handed to the daemon from the start (never in torch's memory first,
+    then copied over: the cache twice at start)."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    addr = runner.kv_caches[0].untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        owners = [ln for ln in f if int(ln.split()[0].split("-")[0], 16) <= addr < int(ln.split()[0].split("-")[1], 16)]
+    assert len(owners) == 1 and "/memfd:kvdepot-kv-cache" in owners[0], owners
+
+
 def test_cold_then_reset_is_served_by_the_daemon(daemon: DaemonProcess, llm: LLM, admin: DepotClient, expected: dict[str, list[int]]) -> None:
     before = counters(admin)
     [(cold, cached)] = generate(llm, [P])

@@ -14,9 +14,12 @@ Scheduler (EngineCore process)
                                 apart, so the blocks vLLM already had are never stored again
     request_finished            delays the free while an op of the request may still touch its blocks
 Worker (each worker process)
-    register_kv_caches          moves CPU KV tensors onto shared memory (set_()): memfds handed over
-                                on the daemon's handoff socket when `address` is unix:PATH, /dev/shm
-                                files otherwise; or exports CUDA IPC handles; tensor-parallel rank 0
+    get_mem_pool_context        on a CPU: vLLM allocates its KV cache inside it, and it makes that
+                                allocation on shared memory from the start (kvdepot.handles)
+    register_kv_caches          shares the CPU KV tensors: memfds handed over on the daemon's
+                                handoff socket when `address` is unix:PATH, /dev/shm files
+                                otherwise (moved there (set_()) where they were not allocated
+                                there); or exports CUDA IPC handles; tensor-parallel rank 0
                                 mints the engine's key and broadcasts it; each worker joins under it
     get_handshake_metadata      the key, which vLLM hands to the scheduler before it serves
                                 (set_xfer_handshake_metadata: the scheduler creates the engine)
@@ -31,6 +34,7 @@ KvDepotWorkerMetadata (workers -> scheduler): small, picklable, no tensors.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvdepot import handles
+from kvdepot.handoff import handoff_path
 from kvdepot.connector.config import ConnectorConfig
 from kvdepot.connector.worker import LoadJob
 from kvdepot.vllm.common import KvDepotHandshake, KvDepotMetadata, KvDepotWorkerMetadata, layout_of
@@ -76,6 +82,7 @@ class KvDepotConnector(KVConnectorBase_V1):
         model = vllm_config.model_config.model
         self._sched: SchedulerSide | None = None
         self._worker: VllmWorkerSide | None = None
+        self._cpu = layout is not None and getattr(vllm_config.device_config, "device_type", "") == "cpu"
         if role == KVConnectorRole.SCHEDULER:
             if tc.kv_load_failure_policy != "recompute" and not self.cfg.keep_fail_policy:
                 log.info("kvdepot: kv_load_failure_policy set to 'recompute': a failed load of a cache costs a hit, not the request")
@@ -123,6 +130,11 @@ class KvDepotConnector(KVConnectorBase_V1):
         return self._sched.finished(request), None
 
     # -- worker role -----------------------------------------------------------------------------
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        if self._worker is None or not self._cpu or self.cfg.copy_mode == "engine":
+            return None
+        return handles.allocating_on_shared_memory(memfd=handoff_path(self.cfg.address) is not None)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register(kv_caches)
