@@ -10,6 +10,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -103,3 +104,30 @@ def test_the_daemon_starts_without_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_copy_never_waits_for_the_backing_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backing thread runs only on idle cores: an engine busy on every core may hold it off
+    for long. A copy backs what it needs itself meanwhile, instead of waiting for that thread (here
+    stuck for 10 s inside its piece)."""
+    gate = threading.Event()
+    real = host_arena.populate_write
+
+    def stuck_in_the_thread(addr: int, n: int) -> int:
+        if threading.current_thread().name.startswith("kvdepot-arena"):
+            gate.wait(10)
+        return real(addr, n)
+
+    monkeypatch.setattr(host_arena, "populate_write", stuck_in_the_thread)
+    arena = HostArena(4 * CHUNK)
+    try:
+        t0 = time.monotonic()
+        assert arena.ensure(2 * CHUNK) and arena.ready_bytes >= 2 * CHUNK
+        assert time.monotonic() - t0 < 5, "the copy waited for the backing thread"
+        ctypes.memset(arena.base + 2 * CHUNK - 4096, 1, 4096)
+        assert arena._thread.native_id is not None
+        assert os.sched_getscheduler(arena._thread.native_id) == os.SCHED_IDLE
+    finally:
+        gate.set()
+        arena.close()
+    assert arena.ready_bytes <= arena.total_bytes

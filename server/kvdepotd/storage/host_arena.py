@@ -4,7 +4,7 @@ The region is a file under /dev/shm, mapped and then unlinked (the mapping keeps
 crashed daemon leaves no file behind). It is backed by memory lazily, from the start of the region
 on, as copies write into it: a copy first makes sure its bytes are backed (`ensure`, almost always
 a comparison), and a thread of its own keeps LOOKAHEAD bytes beyond the furthest write backed, so
-the copies seldom wait for it. (The core claims slabs in address order, so writes move forward
+the copies seldom back memory themselves (they never wait for that thread). (The core claims slabs in address order, so writes move forward
 through the region.) So start-up does not wait for the tier, the daemon holds only the memory its
 blocks use (none for engines that move no bytes), and the copy path neither pays for page faults
 nor meets a SIGBUS when /dev/shm runs out (the piece fails to back and the copy fails instead).
@@ -13,8 +13,9 @@ Backing uses madvise(MADV_POPULATE_WRITE), which does not write to the memory; o
 it a piece is allocated in the region's file (posix_fallocate), which is as safe: no copy ever
 writes beyond the backed bytes, and the file has the memory for every one of them. It goes
 PIECE bytes per call: the kernel holds the process's memory-map lock for a call, and an event loop
-that maps memory meanwhile waits for it (docs/performance.md). The thread runs at BACKING_NICE: the
-kernel's page clearing is work the engine and the event loop come before. With CUDA, each CHUNK is
+that maps memory meanwhile waits for it (docs/performance.md). The thread runs only on idle cores
+(SCHED_IDLE; BACKING_NICE with CUDA or where refused): the kernel's page clearing is work the engine
+beside the daemon and the event loop come before. With CUDA, each CHUNK is
 pinned (cudaHostRegister) once it is backed. Per-block checksums (xxh3-64 per block and rank, taken
 at store, checked at load) live beside it.
 """
@@ -91,7 +92,7 @@ class HostArena:
         self.ready_bytes = 0  # [0, ready_bytes) is backed by memory (and pinned with CUDA)
         self.error = ""  # why backing more failed: copies beyond ready_bytes fail with it
         self._target = 0  # what the backing thread works towards
-        self._lock = threading.Lock()  # held while backing a piece
+        self._lock = threading.Lock()  # held while a piece is marked backed (and its chunk pinned), never while backing it
         self._wake = threading.Condition()
         self._closing = False
         self._pinned: list[tuple[int, int]] = []  # (address, bytes) registered with CUDA
@@ -155,12 +156,9 @@ class HostArena:
         """Backs the region up to byte `end` before a copy writes there (and has the thread stay
         LOOKAHEAD ahead); False (see `error`) when the memory cannot be had."""
         self.want(end)
-        if end <= self.ready_bytes:
-            return True
-        while self.ready_bytes < end:
-            with self._lock:
-                if self.ready_bytes < end and not self._back_piece():
-                    return False
+        while self.ready_bytes < end:  # on the copy's own thread: it never waits for the backing thread
+            if not self._back_piece():
+                return False
         return True
 
     def prepare_all(self) -> None:
@@ -169,23 +167,38 @@ class HostArena:
             raise ArenaError(self.error)
 
     def _back(self) -> None:
-        try:  # Linux: this thread's own nice value (only ever raised: no privilege needed)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + BACKING_NICE)
-        except (OSError, AttributeError):
-            pass
+        self._lower_priority()
         while True:
             with self._wake:
                 while self._target <= self.ready_bytes and not self._closing:
                     self._wake.wait()
                 if self._closing:
                     return
-            with self._lock:  # one piece at a time: a copy's ensure() waits for one piece at most
-                if self.ready_bytes < self._target and not self._back_piece():
-                    with self._wake:
-                        self._target = self.ready_bytes  # wait for more demand rather than spin
+            if not self._back_piece():
+                with self._wake:
+                    self._target = self.ready_bytes  # wait for more demand rather than spin
+
+    def _lower_priority(self) -> None:
+        """The backing thread runs only when a core is idle (SCHED_IDLE: the kernel's page clearing
+        never competes with an engine for a core; no privilege needed to lower one's own policy),
+        or at BACKING_NICE where that is refused. With CUDA it pins chunks under the lock, which a
+        copy may wait for: nice, then, so that it is never starved while holding it."""
+        tid = threading.get_native_id()
+        if not self._cuda:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                return
+            except (OSError, AttributeError):
+                pass
+        try:  # Linux: this thread's own nice value (only ever raised: no privilege needed)
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, 0) + BACKING_NICE)
+        except (OSError, AttributeError):
+            pass
 
     def _back_piece(self) -> bool:
-        """Backs the next piece (and pins the chunk it completes); under the lock."""
+        """Backs the piece at ready_bytes (and pins the chunk it completes). The backing thread and
+        copies may back one piece at once: both succeed (backing is idempotent), and ready_bytes
+        only grows, over memory that is all backed."""
         if self.error:
             return False
         start = self.ready_bytes
@@ -203,14 +216,17 @@ class HostArena:
             log.error("%s; stores into the rest of the tier fail until the daemon restarts with room", self.error)
             return False
         end = start + n
-        if self._cuda and (end % CHUNK == 0 or end == self.total_bytes):
-            lo = (start // CHUNK) * CHUNK
-            rc = torch().cuda.cudart().cudaHostRegister(self.base + lo, end - lo, 0)
-            if int(rc) == 0:
-                self._pinned.append((self.base + lo, end - lo))
-            elif not self._pinned:
-                log.warning("cudaHostRegister of the host tier failed (%s): copies to GPUs will be slower", rc)
-        self.ready_bytes = end
+        with self._lock:
+            if end <= self.ready_bytes:
+                return True  # another thread backed it meanwhile (and pinned its chunk)
+            if self._cuda and (end % CHUNK == 0 or end == self.total_bytes):
+                lo = (start // CHUNK) * CHUNK
+                rc = torch().cuda.cudart().cudaHostRegister(self.base + lo, end - lo, 0)
+                if int(rc) == 0:
+                    self._pinned.append((self.base + lo, end - lo))
+                elif not self._pinned:
+                    log.warning("cudaHostRegister of the host tier failed (%s): copies to GPUs will be slower", rc)
+            self.ready_bytes = end
         return True
 
     def close(self) -> None:
