@@ -107,9 +107,9 @@ def test_the_daemon_starts_without_torch() -> None:
 
 
 def test_a_copy_never_waits_for_the_backing_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backing thread runs only on idle cores: an engine busy on every core may hold it off
-    for long. A copy backs what it needs itself meanwhile, instead of waiting for that thread (here
-    stuck for 10 s inside its piece)."""
+    """The backing thread runs at a lower priority: an engine busy on every core may hold it off.
+    A copy backs what it needs itself meanwhile, instead of waiting for that thread (here stuck
+    for 10 s inside its piece)."""
     gate = threading.Event()
     real = host_arena.populate_write
 
@@ -125,8 +125,6 @@ def test_a_copy_never_waits_for_the_backing_thread(monkeypatch: pytest.MonkeyPat
         assert arena.ensure(2 * CHUNK) and arena.ready_bytes >= 2 * CHUNK
         assert time.monotonic() - t0 < 5, "the copy waited for the backing thread"
         ctypes.memset(arena.base + 2 * CHUNK - 4096, 1, 4096)
-        assert arena._thread.native_id is not None
-        assert os.sched_getscheduler(arena._thread.native_id) == os.SCHED_IDLE
     finally:
         gate.set()
         arena.close()

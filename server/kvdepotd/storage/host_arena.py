@@ -13,9 +13,9 @@ Backing uses madvise(MADV_POPULATE_WRITE), which does not write to the memory; o
 it a piece is allocated in the region's file (posix_fallocate), which is as safe: no copy ever
 writes beyond the backed bytes, and the file has the memory for every one of them. It goes
 PIECE bytes per call: the kernel holds the process's memory-map lock for a call, and an event loop
-that maps memory meanwhile waits for it (docs/performance.md). The thread runs only on idle cores
-(SCHED_IDLE; BACKING_NICE with CUDA or where refused): the kernel's page clearing is work the engine
-beside the daemon and the event loop come before. With CUDA, each CHUNK is
+that maps memory meanwhile waits for it (docs/performance.md). The thread runs at BACKING_NICE: the
+kernel's page clearing is work the engine and the event loop come before (not SCHED_IDLE: see
+`_lower_priority`). With CUDA, each CHUNK is
 pinned (cudaHostRegister) once it is backed. Per-block checksums (xxh3-64 per block and rank, taken
 at store, checked at load) live beside it.
 """
@@ -179,19 +179,11 @@ class HostArena:
                     self._target = self.ready_bytes  # wait for more demand rather than spin
 
     def _lower_priority(self) -> None:
-        """The backing thread runs only when a core is idle (SCHED_IDLE: the kernel's page clearing
-        never competes with an engine for a core; no privilege needed to lower one's own policy),
-        or at BACKING_NICE where that is refused. With CUDA it pins chunks under the lock, which a
-        copy may wait for: nice, then, so that it is never starved while holding it."""
-        tid = threading.get_native_id()
-        if not self._cuda:
-            try:
-                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-                return
-            except (OSError, AttributeError):
-                pass
+        """BACKING_NICE, not SCHED_IDLE: a Python thread holds the GIL between its calls, and one
+        the kernel starved while holding it (SCHED_IDLE on cores an engine keeps busy) would stall
+        every thread of the daemon, the event loop and the copies with it."""
         try:  # Linux: this thread's own nice value (only ever raised: no privilege needed)
-            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, 0) + BACKING_NICE)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + BACKING_NICE)
         except (OSError, AttributeError):
             pass
 

@@ -215,12 +215,12 @@ class RemoteCopyEngine:
                     piece, hashes = [], []
         finally:
             wait([f for _, f in sends])  # no send may still read this thread's scratch once the job ends
-        message, bad, sent = "", [], 0
-        for hs, fut in sends:
-            results, raised = fut.result()
-            if raised or any(r is not None and timed_out(r) for r in results):
+            if any(raised or any(r is not None and timed_out(r) for r in results) for results, raised in (f.result() for _, f in sends)):
                 scratch.quarantine()  # a call, or a node's part, gave up while its bytes may still be sent: never written again
             # (a key refused with an answer, a full store's OOM say, was sent whole: the buffer is free)
+        message, bad, sent = "", [], 0
+        for hs, fut in sends:
+            results, _ = fut.result()
             self._failures(results)
             sent += len(hs)
             for h, r in zip(hs, results):
