@@ -77,7 +77,7 @@ def measured(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--kv-gib", type=float, default=2)
+    ap.add_argument("--kv-gib", type=int, default=2, help="the KV cache in GiB (VLLM_CPU_KVCACHE_SPACE takes whole GiB)")
     ap.add_argument("--before", default="", help="a checkout whose connector is measured too (its client/ goes first on PYTHONPATH)")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "ADDRESS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
