@@ -155,13 +155,20 @@ def _premake(nbytes: int, dtype: torch.dtype, memfd: bool) -> torch.Tensor:
     return t
 
 
-def _adopt(s: torch.UntypedStorage, memfd: bool) -> _Premade | None:
-    """The shared memory `s` was allocated on, of the kind asked for (taken: it is registered once)."""
-    with _premade_lock:
-        made = _premade.get(s.data_ptr())
-        if made is None or made.nbytes != s.nbytes() or (made.fd >= 0) != memfd:
-            return None
-        return _premade.pop(s.data_ptr())
+def _adopter(memfd: bool, held: list[Any]) -> Callable[[torch.UntypedStorage], pb.CpuShmHandle | None]:
+    """For _move_cpu_tensors: the handle of the shared memory a storage was allocated on, of the
+    kind asked for, whose descriptor (memfd) or path joins `held`; taken, so it is registered once."""
+
+    def adopt(s: torch.UntypedStorage) -> pb.CpuShmHandle | None:
+        with _premade_lock:
+            made = _premade.get(s.data_ptr())
+            if made is None or made.nbytes != s.nbytes() or (made.fd >= 0) != memfd:
+                return None
+            del _premade[s.data_ptr()]
+        held.append(made.fd if memfd else made.path)
+        return made.handle
+
+    return adopt
 
 
 def _new_file(nbytes: int) -> str:
@@ -187,15 +194,8 @@ def share_cpu_tensors(tensors: Sequence[torch.Tensor], num_blocks: int, names: S
         paths.append(path)
         return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), pb.CpuShmHandle(path=path, offset=0, size=nbytes)
 
-    def adopt(s: torch.UntypedStorage) -> pb.CpuShmHandle | None:
-        made = _adopt(s, memfd=False)
-        if made is None:
-            return None
-        paths.append(made.path)
-        return made.handle
-
     try:
-        req = _move_cpu_tensors(tensors, num_blocks, names, onto_file, adopt)
+        req = _move_cpu_tensors(tensors, num_blocks, names, onto_file, _adopter(False, paths))
     except BaseException:
         remove_shm_files(paths)
         raise
@@ -218,15 +218,8 @@ def share_cpu_tensors_memfd(tensors: Sequence[torch.Tensor], num_blocks: int, na
         mm = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes], pb.CpuShmHandle(offset=0, size=nbytes)
 
-    def adopt(s: torch.UntypedStorage) -> pb.CpuShmHandle | None:
-        made = _adopt(s, memfd=True)
-        if made is None:
-            return None
-        fds.append(made.fd)
-        return made.handle
-
     try:
-        return _move_cpu_tensors(tensors, num_blocks, names, onto_memfd, adopt), fds
+        return _move_cpu_tensors(tensors, num_blocks, names, onto_memfd, _adopter(True, fds)), fds
     except BaseException:
         close_fds(fds)
         raise
