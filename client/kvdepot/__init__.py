@@ -7,7 +7,7 @@ from kvdepot.auth import read_token
 from kvdepot.errors import DepotError, FailedPrecondition, InvalidRequest, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable
 from kvdepot.hashing import BlockHash, block_hashes, salt_hash
 from kvdepot.layout import KvLayout
-from kvdepot.messages import LoadCopied, LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
+from kvdepot.messages import LayersCopied, LoadCopied, LookupResult, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult
 from kvdepot.tls import Tls
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "FailedPrecondition",
     "InvalidRequest",
     "KvLayout",
+    "LayersCopied",
     "LoadCopied",
     "LookupResult",
     "NotFound",

@@ -83,7 +83,16 @@ class LoadCopied:
     intact: bool = False
 
 
-WorkerEvent = OpCompleted | RequestReleased | LoadCopied
+@dataclass(frozen=True, slots=True)
+class LayersCopied:
+    """(doorbell only) A load copied layer by layer has its first `layers` layers in every block
+    of this rank, not yet checked: its LoadCopied and OpCompleted follow."""
+
+    op_id: int
+    layers: int
+
+
+WorkerEvent = OpCompleted | RequestReleased | LoadCopied | LayersCopied
 
 
 def cached_update_needed(block_size: int, blocks: int, sent_blocks: int, computed: int, scheduled: int, sent_end: int) -> bool:

@@ -49,7 +49,8 @@ class WorkerLink:
     When the KV memory is handed over (memfds, a daemon reached at unix:PATH), the link hands over a
     doorbell with it: one end of a unix datagram socket pair, on which the daemon's copy threads
     send each load's op id the moment this rank's part is copied. poll() reports those as
-    LoadCopied, ahead of the stream's own report (which crosses the daemon's event loop and gRPC's
+    LoadCopied (and, for a load copied layer by layer, each layer's landing as LayersCopied), ahead
+    of the stream's own report (which crosses the daemon's event loop and gRPC's
     threads on both sides, several times slower: docs/performance.md); the stream's reader thread
     rings the same socket with an empty datagram, so waiting is one select() on it either way.
     """
@@ -149,6 +150,8 @@ class WorkerLink:
                     break
                 if len(data) == 9:
                     out.append(m.LoadCopied(int.from_bytes(data[:8], "little"), intact=data[8] == 1))
+                elif len(data) == 11 and data[8] == 2:
+                    out.append(m.LayersCopied(int.from_bytes(data[:8], "little"), int.from_bytes(data[9:], "little")))
         with self._cond:
             out += self._events
             self._events.clear()

@@ -104,3 +104,55 @@ def test_memory_shrunk_under_a_copy_raises_instead_of_killing_the_process() -> N
         "mm = mmap.mmap(fd, 8192); a = ctypes.addressof(ctypes.c_char.from_buffer(mm)); os.ftruncate(fd, 0); ctypes.string_at(a + 4096, 8)"
     )
     assert subprocess.run([sys.executable, "-c", outside], env=os.environ, capture_output=True).returncode == -signal.SIGBUS
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths, layers=st.integers(1, 5), skew=st.integers(0, 15))
+def test_blocks_copied_layer_by_layer_land_whole_with_their_xxh3(lengths: list[int], layers: int, skew: int) -> None:
+    """A load copied layer by layer (copy_blocks over each layer's runs, layer 0 of every block
+    first) puts every block's bytes where a whole-block copy does, and the states it fed, one per
+    block, end as each block's xxh3: whatever the runs' lengths, and however the layers cut them."""
+    from kvdepotd.storage.checksum import States
+    from kvdepotd.transfer.mapping import Run, layer_runs
+
+    lengths = [n * layers for n in lengths]  # a block is `layers` equal slices
+    buf, runs = engine_memory(lengths, skew)
+    size = sum(lengths)
+    host = ctypes.create_string_buffer(BLOCKS * size)
+    for b in range(BLOCKS):  # the host tier's blocks, each different
+        ctypes.memmove(ctypes.addressof(host) + b * size, bytes((b * 17 + i * 5 + 1) % 256 for i in range(size)), size)
+    want = [ctypes.string_at(ctypes.addressof(host) + b * size, size) for b in range(BLOCKS)]
+    at, mapped = 0, []
+    for addr, stride, n in runs:
+        mapped.append(Run(addr, stride, n, at, 0, 0))
+        at += n
+    per_layer = layer_runs(mapped, layers)
+    assert [sum(r[2] for r in lr) for lr in per_layer] == [size // layers] * layers
+    states = States(BLOCKS)
+    try:
+        order = list(range(BLOCKS))[::-1]  # engine block b takes host block BLOCKS-1-b
+        for layer, lr in enumerate(per_layer):
+            hosts = [ctypes.addressof(host) + (BLOCKS - 1 - b) * size + layer * (size // layers) for b in order]
+            blockcopy.copy_blocks(blockcopy.pack(lr), blockcopy.int64s(order), blockcopy.int64s(hosts), False, states.addresses)
+            if layer < layers - 1:  # the layers not copied yet are still the engine's old bytes
+                assert block_bytes(runs, order[0])[(layer + 1) * (size // layers) :] != want[BLOCKS - 1 - order[0]][(layer + 1) * (size // layers) :]
+        for i, b in enumerate(order):
+            assert block_bytes(runs, b) == want[BLOCKS - 1 - b]
+            assert states.digest(i) == xxhash.xxh3_64_intdigest(want[BLOCKS - 1 - b])
+    finally:
+        states.close()
+    del buf
+
+
+def test_copy_blocks_refuses_bad_arguments() -> None:
+    buf, runs = engine_memory([64], 0)
+    host = ctypes.create_string_buffer(64)
+    one = blockcopy.int64s([ctypes.addressof(host)])
+    with pytest.raises(ValueError, match="one per block"):
+        blockcopy.copy_blocks(blockcopy.pack(runs), blockcopy.int64s([0, 1]), one, True, b"")
+    with pytest.raises(ValueError, match="negative block"):
+        blockcopy.copy_blocks(blockcopy.pack(runs), blockcopy.int64s([-1]), one, True, b"")
+    with pytest.raises(TypeError, match="int64"):
+        blockcopy.copy_blocks(blockcopy.pack(runs), b"123", one, True, b"")
+    assert host.raw == bytes(64)
+    del buf

@@ -119,6 +119,28 @@ def test_daemon_killed_during_a_load(fresh_llm: list, model_dir: str, expected: 
     assert generate(llm, [Q])[0][0] == expected["Q"]
 
 
+def test_a_forward_that_waits_for_no_layer_reads_no_half_loaded_block(
+    fresh_llm: list, model_dir: str, expected: dict[str, list[int]], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,  # type: ignore[type-arg]
+) -> None:
+    """With layerwise_loads (the default) start_load_kv does not wait: each attention layer waits
+    for its own layer of the step's loads. A forward that skips those waits (here all of them)
+    would read blocks the daemon is still loading (each load is held 500 ms): its loads count as
+    failed, vLLM recomputes them and its output is right; the worker says so and waits for whole
+    loads from then on, so the next hit is served from the daemon again."""
+    from kvdepot.vllm.worker import VllmWorkerSide
+
+    caplog.set_level(logging.INFO, logger="kvdepot.vllm")
+    monkeypatch.setattr(VllmWorkerSide, "wait_for_layer_load", lambda self, name: None)
+    with DaemonProcess(args=["--host-gib", "0.25", "--fault-load-delay-ms", "500"]) as d:
+        llm = make(fresh_llm, model_dir, d.unix)
+        assert generate(llm, [P])[0] == (expected["P"], 0)
+        reset(llm)
+        assert generate(llm, [P])[0][0] == expected["P"]
+        assert "the forward did not wait for layers [0, 1" in caplog.text
+        reset(llm)
+        assert generate(llm, [P])[0] == (expected["P"], 96)
+
+
 @pytest.mark.parametrize("late", ["false", "true"])
 def test_corrupted_block_is_caught_and_recomputed(fresh_llm: list, model_dir: str, expected: dict[str, list[int]], late: str) -> None:  # type: ignore[type-arg]
     """late: the forward runs on the corrupt block before its check fails; vLLM drops that output."""

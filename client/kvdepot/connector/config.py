@@ -24,6 +24,14 @@ $KVDEPOT_CONNECTOR_CONFIG (from_env; the variables win).
                         the KV cache is on a GPU (the check is CPU work beside the device copy and
                         the GPU's forward), false on CPU (the check would compete with the forward
                         for the same cores)
+    layerwise_loads     true (default): a synchronous load is copied layer by layer and each
+                        attention layer's forward waits only for its own layer (vLLM's
+                        wait_for_layer_load), so the forward runs while later layers are still
+                        being copied; the blocks' checksums are known after the forward, and a bad
+                        one is reported as for late_load_checks. Where the daemon cannot tell a
+                        worker of each layer (GPU memory, /dev/shm files by path) the first layer
+                        waits for them all. false: the forward waits for the whole load. vLLM
+                        only: TensorRT-LLM cannot drop a forward's output, so it always waits
     tls_ca, tls_cert,   TLS to a daemon on a TCP address (kvdepotd --tls-cert): PEM files of the CA
     tls_key             that signed its certificate (empty: the system's roots) and, when it asks
                         for one, this engine's certificate and key. Setting any of them turns TLS on
@@ -53,7 +61,7 @@ from kvdepot.tls import Tls
 
 KEYS = (
     "address", "namespace", "load_async", "lookup_timeout_ms", "step_timeout_ms", "release_timeout_s", "keep_fail_policy", "engine_name",
-    "late_load_checks", "tls_ca", "tls_cert", "tls_key", "token_file", "copy_mode",
+    "late_load_checks", "tls_ca", "tls_cert", "tls_key", "token_file", "copy_mode", "layerwise_loads",
 )
 
 
@@ -82,6 +90,7 @@ class ConnectorConfig:
     tls_key: str = ""
     token_file: str = ""
     copy_mode: str = "auto"
+    layerwise_loads: bool = True
     token: str = field(default="", repr=False)  # read from token_file or $KVDEPOT_TOKEN at start-up
 
     def tls(self) -> Tls | None:

@@ -23,7 +23,7 @@ from kvdepot.connector.config import ConnectorConfig
 from kvdepot.errors import DepotError
 from kvdepot.handoff import handoff_path
 from kvdepot.layout import KvLayout
-from kvdepot.messages import LoadCopied, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult, WorkerEvent
+from kvdepot.messages import LayersCopied, LoadCopied, OpCompleted, OpInfo, RequestReleased, StepBatch, StepResult, WorkerEvent
 
 _NOT_ATTACHED_GRACE_S = 0.5  # a worker stream down this long while we wait: the daemon is gone
 STARTUP_WAIT_S = 10.0  # the most an engine's start-up waits for the daemon to map its workers' KV memory
@@ -140,6 +140,9 @@ def connect(
 
 class WorkerSide:
     on_failed_load = ""  # what the engine does about blocks that did not load, for the log line
+    # The engine waits for each layer (wait_for_layer) before its forward reads it, and hears of a
+    # failed load after the forward (take_load_errors): loads may land layer by layer.
+    waits_per_layer = False
 
     def __init__(self, cfg: ConnectorConfig, layout: KvLayout | None, model: str, style: str = "vllm") -> None:
         self.cfg = cfg
@@ -172,6 +175,10 @@ class WorkerSide:
         self.not_attached_since: float | None = None
         self.copier: EngineCopier | None = None  # this rank copies its blocks itself (engine_copies)
         self._deferred: list[WorkerEvent] = []  # events held while the copier still carries out an order of their op
+        self.layerwise = self.waits_per_layer and cfg.layerwise_loads and layout is not None and layout.num_layers > 1
+        self.landed: dict[int, int] = {}  # op -> its layers in this rank's blocks (doorbell), until it ends
+        self.layer_jobs: list[LoadJob] = []  # this step's synchronous loads, which its forward waits for layer by layer
+        self.awaited: set[int] = set()  # the layers this step's forward waited for
 
     @property
     def engine_copies(self) -> bool:
@@ -272,6 +279,9 @@ class WorkerSide:
                 self.done[ev.op_id] = ev
                 self.new_completed.add(ev.op_id)
                 self.copied.discard(ev.op_id)
+                self.landed.pop(ev.op_id, None)
+            elif isinstance(ev, LayersCopied) and ev.op_id not in self.done:
+                self.landed[ev.op_id] = max(self.landed.get(ev.op_id, 0), ev.layers)
             elif isinstance(ev, LoadCopied) and ev.op_id not in self.done and (ev.intact or self.late):
                 self.copied.add(ev.op_id)
             elif isinstance(ev, RequestReleased):
@@ -335,11 +345,46 @@ class WorkerSide:
                 self.async_jobs[job.request_id] = job
         if not sync:
             return
+        if self.layerwise:  # the forward waits in wait_for_layer, each layer for its own bytes
+            self.layer_jobs, self.awaited = sync, set()
+            self.checking += sync
+            return
         # The forward may start once the bytes are in place; whether they were intact is known by
         # the end of the step (take_load_errors), and vLLM drops a step's output for a request whose
         # loaded blocks it is told failed after the forward.
         self._wait(lambda: all(self._in_place(job) for job in sync))
         self.checking += sync
+
+    def wait_for_layer(self, layer: int) -> None:
+        """Before the forward reads `layer` of this step's loaded blocks: waits until that layer
+        of every synchronous load is in place (or its op has settled: the blocks that did not
+        arrive are reported after the forward). Its bytes may not be checked yet: their verdict
+        comes with take_load_errors, as with late load checks."""
+        if not self.layer_jobs:
+            return
+        self.awaited.add(layer)
+        jobs = self.layer_jobs
+        self._wait(lambda: all(self._layer_in_place(job, layer) for job in jobs))
+
+    def _layer_in_place(self, job: LoadJob, layer: int) -> bool:
+        return all(op in self.done or op in self.copied or self.landed.get(op, 0) > layer for op in job.ops) or self._settled(job)
+
+    def _spoiled_loads(self) -> list[LoadJob]:
+        """This step's loads its forward may have read before they landed: all of them when it did
+        not wait for every layer (an engine that calls wait_for_layer_load for some layers only),
+        and then this worker waits for whole loads from now on."""
+        jobs, self.layer_jobs = self.layer_jobs, []
+        if not jobs or self.layout is None:
+            return []
+        missed = sorted(set(range(self.layout.num_layers)) - self.awaited)
+        if not missed:
+            return []
+        self.log.warning(
+            "kvdepot: worker %d: the forward did not wait for layers %s of its loads; they are recomputed, and loads are waited for whole from now on",
+            self.rank, missed[:8],
+        )
+        self.layerwise = False
+        return jobs
 
     def forward_done(self, step: int, stream: Any = None) -> None:
         """The forward of `step` is done (CPU) or enqueued: on CUDA an interprocess event recorded
@@ -386,11 +431,14 @@ class WorkerSide:
 
     def take_load_errors(self) -> set[int]:
         """After the forward: the blocks of this step's loads that did not arrive intact."""
+        spoiled = self._spoiled_loads()
         if self.checking:
             jobs, self.checking = self.checking, []
-            self._wait(lambda: all(self._settled(job) for job in jobs))
+            self._wait(lambda: all(self._settled(job) for job in jobs))  # the spoiled ones too: nothing writes their blocks after
             for job in jobs:
                 self._fail_unloaded(job)
+        for job in spoiled:
+            self.load_errors.update(job.targets)
         out, self.load_errors = self.load_errors, set()
         return out
 

@@ -86,7 +86,10 @@ class KvDepotWorker(KvCacheConnectorWorker):
         self.side.before_forward(self._metadata)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        return  # start_load_kv already waited for the step's synchronous loads
+        # start_load_kv already waited for the step's synchronous loads, checked: TensorRT-LLM cannot
+        # drop a forward's output when a loaded block turns out bad, and a block's checksum covers
+        # all its layers, so no layer may be read before the whole block is in and checked.
+        return
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         return  # the daemon copies computed blocks itself once the forward is reported done

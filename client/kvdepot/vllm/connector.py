@@ -23,7 +23,9 @@ Worker (each worker process)
                                 mints the engine's key and broadcasts it; each worker joins under it
     get_handshake_metadata      the key, which vLLM hands to the scheduler before it serves
                                 (set_xfer_handshake_metadata: the scheduler creates the engine)
-    start_load_kv               waits for this step's synchronous loads (never past the op's deadline)
+    start_load_kv               waits for this step's synchronous loads (never past the op's deadline),
+                                unless they land layer by layer (layerwise_loads, the default): then
+    wait_for_layer_load         waits for its layer of them only
     wait_for_save               reports forward-done (CPU) or records an interprocess CUDA event
     get_finished / get_block_ids_with_load_errors   from the daemon's completion stream
 
@@ -158,7 +160,8 @@ class KvDepotConnector(KVConnectorBase_V1):
         self._worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv already waited for the step's synchronous loads
+        assert self._worker is not None
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # the daemon copies computed blocks itself once the forward is reported done

@@ -12,6 +12,8 @@ from kvdepot.vllm.common import KvDepotHandshake, KvDepotWorkerMetadata
 
 class VllmWorkerSide(WorkerSide):
     on_failed_load = "; vLLM recomputes them"
+    waits_per_layer = True  # each attention layer calls wait_for_layer_load; failed loads go to get_block_ids_with_load_errors
+    layer_index: dict[str, int] = {}  # layer name -> its place in the registered KV tensors (the layout's layer)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Shares this rank's KV tensors and joins the engine under the key tensor-parallel rank 0
@@ -23,12 +25,18 @@ class VllmWorkerSide(WorkerSide):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tp_group
 
         tensors = list(kv_caches.values())
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         num_blocks = int(tensors[0].shape[1] if self.layout.kind == "vllm_flash" else tensors[0].shape[0])
         rank = get_tensor_model_parallel_rank()
         shared = self.share(tensors, list(kv_caches), num_blocks, rank)
         key = get_tp_group().broadcast_object(mint("vllm", self.model) if rank == 0 else None, src=0)  # a collective: every rank
         if shared and key:
             self.join(key)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """A layer whose name was not registered (it shares another layer's cache) waits for all."""
+        if self.layer_jobs and self.layout is not None:
+            self.wait_for_layer(self.layer_index.get(layer_name, self.layout.num_layers - 1))
 
     def handshake(self) -> KvDepotHandshake | None:
         return KvDepotHandshake(self.key, self.engine_copies) if self.key else None

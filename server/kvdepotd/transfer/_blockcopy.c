@@ -4,7 +4,13 @@
  *   bind(create_state, free_state, reset, update, digest)   the xxhash library's streaming functions,
  *                                                           by address (kvdepotd.transfer.blockcopy)
  *   copy_block(runs, block, host, to_host, want_hash) -> int | None
+ *   copy_blocks(runs, blocks, hosts, to_host, states) -> None
  *
+ * copy_blocks moves part of each of several blocks (a load copied layer by layer passes the runs of
+ * one layer): `blocks` and `hosts` pack native int64 block ids and host addresses, one per block,
+ * and `states`, empty or one per block, the addresses of xxh3 states the caller made and reset,
+ * which each block's bytes update in order: the caller's digest after the last layer is the same
+ * checksum copy_block gives for the whole block.
  * `runs` packs, per run of the block, three native int64: address of the run of block 0, the
  * stride from one block to the next, and the run's length. The runs lie back to back in the host
  * block from `host` on, in order, so hashing them in order gives the xxh3 of the host block
@@ -137,6 +143,31 @@ static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
+/* The runs of one block between engine memory and `host`, hashing into `state` (if any) on the way. */
+static void copy_runs(const int64_t *runs, Py_ssize_t nruns, int64_t block, char *host, int to_host, void *state) {
+    for (Py_ssize_t r = 0; r < nruns; r++) {
+        char *engine = (char *)(intptr_t)(runs[3 * r] + block * runs[3 * r + 1]);
+        int64_t n = runs[3 * r + 2];
+        for (int64_t at = 0; at < n; at += PIECE) {
+            size_t k = (size_t)(n - at < PIECE ? n - at : PIECE);
+            const char *src = to_host ? engine + at : host + at;
+            if (state != NULL)
+                xxh.update(state, src, k);
+            copy_out(to_host ? host + at : engine + at, src, k);
+        }
+        host += n;
+    }
+}
+
+static PyObject *fault_error(void) {
+    PyObject *e = Py_BuildValue("(is)", EFAULT, "the engine's memory is gone under the copy (its file was shrunk: SIGBUS caught)");
+    if (e != NULL) {
+        PyErr_SetObject(PyExc_OSError, e);
+        Py_DECREF(e);
+    }
+    return NULL;
+}
+
 static PyObject *copy_block(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "copy_block(runs, block, host, to_host, want_hash)");
@@ -184,18 +215,7 @@ static PyObject *copy_block(PyObject *self, PyObject *const *args, Py_ssize_t na
         goto done;
     }
     guard = &jump;
-    for (Py_ssize_t r = 0; r < nruns; r++) {
-        char *engine = (char *)(intptr_t)(runs[3 * r] + block * runs[3 * r + 1]);
-        int64_t n = runs[3 * r + 2];
-        for (int64_t at = 0; at < n; at += PIECE) {
-            size_t k = (size_t)(n - at < PIECE ? n - at : PIECE);
-            const char *src = to_host ? engine + at : host + at;
-            if (state != NULL)
-                xxh.update(state, src, k);
-            copy_out(to_host ? host + at : engine + at, src, k);
-        }
-        host += n;
-    }
+    copy_runs(runs, nruns, block, host, to_host, state);
 #ifdef STREAMING
     _mm_sfence(); /* the streamed bytes are visible before the caller reports the copy done */
 #endif
@@ -206,23 +226,76 @@ done:
     if (state != NULL)
         xxh.free(state);
     Py_END_ALLOW_THREADS
-    if (faulted) {
-        PyObject *e = Py_BuildValue("(is)", EFAULT, "the engine's memory is gone under the copy (its file was shrunk: SIGBUS caught)");
-        if (e != NULL) {
-            PyErr_SetObject(PyExc_OSError, e);
-            Py_DECREF(e);
-        }
-        return NULL;
-    }
+    if (faulted)
+        return fault_error();
     if (!want_hash)
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(digest);
+}
+
+static int int64s(PyObject *o, const char *what, const int64_t **out, Py_ssize_t *n) {
+    if (!PyBytes_Check(o) || PyBytes_GET_SIZE(o) % (Py_ssize_t)sizeof(int64_t) != 0) {
+        PyErr_Format(PyExc_TypeError, "copy_blocks(): %s must be bytes of int64", what);
+        return -1;
+    }
+    *out = (const int64_t *)PyBytes_AS_STRING(o);
+    *n = PyBytes_GET_SIZE(o) / (Py_ssize_t)sizeof(int64_t);
+    return 0;
+}
+
+static PyObject *copy_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "copy_blocks(runs, blocks, hosts, to_host, states)");
+        return NULL;
+    }
+    const int64_t *runs, *blocks, *hosts, *states;
+    Py_ssize_t nruns3, n, nhosts, nstates;
+    if (int64s(args[0], "runs", &runs, &nruns3) || int64s(args[1], "blocks", &blocks, &n) || int64s(args[2], "hosts", &hosts, &nhosts) ||
+        int64s(args[4], "states", &states, &nstates))
+        return NULL;
+    if (nruns3 % 3 != 0 || nhosts != n || (nstates != 0 && nstates != n)) {
+        PyErr_SetString(PyExc_ValueError, "copy_blocks(): runs are int64 triples; hosts, and states unless empty, one per block");
+        return NULL;
+    }
+    int to_host = PyObject_IsTrue(args[3]);
+    if (to_host < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (blocks[i] < 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_blocks(): negative block");
+            return NULL;
+        }
+    if (nstates != 0 && xxh.update == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "copy_blocks(): bind() the xxhash functions first");
+        return NULL;
+    }
+    volatile int faulted = 0;
+    sigjmp_buf jump;
+    Py_BEGIN_ALLOW_THREADS
+    if (sigsetjmp(jump, 1) != 0) {
+        faulted = 1;
+        goto done;
+    }
+    guard = &jump;
+    for (Py_ssize_t i = 0; i < n; i++)
+        copy_runs(runs, nruns3 / 3, blocks[i], (char *)(intptr_t)hosts[i], to_host, nstates ? (void *)(intptr_t)states[i] : NULL);
+#ifdef STREAMING
+    _mm_sfence();
+#endif
+done:
+    guard = NULL;
+    Py_END_ALLOW_THREADS
+    if (faulted)
+        return fault_error();
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, "bind(create_state, free_state, reset, update, digest)"},
     {"copy_block", (PyCFunction)(void (*)(void))copy_block, METH_FASTCALL,
      "copy_block(runs, block, host, to_host, want_hash) -> xxh3 of the block's bytes, or None"},
+    {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_FASTCALL,
+     "copy_blocks(runs, blocks, hosts, to_host, states): part of several blocks, updating the caller's xxh3 states"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -21,7 +21,10 @@ load checks is copied in one pass, reported (`on_copied`, the engine may go on),
 second pass; where the native copy checked it on the way, both reports go at once. Either way, the
 moment a load's part is copied the copy thread rings the worker's doorbell where it handed one over
 (RankMapping.ring): the worker's wait ends without the hops through the event loop and gRPC, and
-the reports follow. Engines of
+the reports follow. A load into such memory, with the native copy, is copied layer by layer
+(Layered): every block's layer 0, then layer 1, ..., each block's checksum fed layer by layer, and
+the doorbell hears as each layer has landed on every block, so a worker whose engine waits per
+layer lets the forward start on layer 0 while the rest is still copied. Engines of
 layout kind "none" have no tensors: their parts end at once (bookkeeping only).
 """
 
@@ -41,6 +44,7 @@ from typing import Any
 from kvdepot.layout import KvLayout
 from kvdepotd.core.ops import OpId, OpKind, Part
 from kvdepotd.core.pool import CellId
+from kvdepotd.storage.checksum import States
 from kvdepotd.storage.checksum import xxh3_at as _xxh3_at
 from kvdepotd.storage.host_arena import Arenas
 from kvdepotd.storage.lazy_torch import torch
@@ -91,6 +95,33 @@ class _Part:
     message: str = ""
     phase: str = ""  # an engine-copy part's (kvdepotd.transfer.engine_copy); "" for the daemon's own copies
     outstanding: int = 0  # an engine-copy part's orders its worker has not reported yet
+    layered: Layered | None = None  # a load copied layer by layer (its work is then taken in batches of one column's layer)
+
+    @property
+    def batches(self) -> int:
+        """What `taken` counts up to: blocks, or a layered load's (layer, column) batches."""
+        return len(self.work) if self.layered is None else self.layered.batches
+
+
+@dataclass(eq=False)
+class Layered:
+    """A load copied layer by layer: every block's layer 0 first, then layer 1, ..., so the worker
+    (told on its doorbell as each layer lands on every block) may run a layer's forward while the
+    next layers are still being copied. The part's blocks are cut into columns, one batch being one
+    column's layer; a column's layer waits for its layer before (each block's checksum is taken
+    through its layers in order, into its own xxh3 state), and layer l has landed once every column
+    is past it."""
+
+    layers: int
+    bounds: list[tuple[int, int]]  # each column's [start, end) in the part's work
+    states: States
+    done: list[int]  # per column: layers copied
+    rung: int = 0  # layers reported to the worker
+    bad: set[int] = field(default_factory=set)  # block indices that failed: skipped in later layers
+
+    @property
+    def batches(self) -> int:
+        return self.layers * len(self.bounds)
 
 
 PAST_DEADLINE = "the op's deadline passed before its copy was done (was the daemon stalled?): no more engine blocks are touched"
@@ -209,8 +240,17 @@ class HostCopyEngine(EngineParts, CopyEngine):
         part = _Part(plan, mapping, layout, plan.work, self._forward_event(plan), failed=list(plan.failed), message=plan.message)
         if isinstance(mapping, EngineCopyRank):
             part.phase = "verify" if plan.kind is OpKind.LOAD else "prepare"
+        elif plan.kind is OpKind.LOAD and len(mapping.layers) > 1 and mapping.doorbell is not None:
+            part.layered = self._layered(part, mapping)
         self._live.setdefault(plan.op_id, []).append(part)
         self._queue(part)
+
+    def _layered(self, part: _Part, m: RankMapping) -> Layered:
+        """Columns of about GRAIN_BYTES of one layer, as many as the load threads at least."""
+        n, layer_bytes = len(part.work), part.layout.rank_block_bytes // len(m.layers)
+        cols = min(n, self.threads * max(1, -(-n * layer_bytes // (GRAIN_BYTES * self.threads))))
+        edges = [n * c // cols for c in range(cols + 1)]
+        return Layered(len(m.layers), list(zip(edges, edges[1:])), States(n), [0] * cols)
 
     def _queue(self, part: _Part) -> None:
         queue, kind = (self._loads, "load") if part.plan.kind is OpKind.LOAD else (self._stores, "store")
@@ -223,14 +263,33 @@ class HostCopyEngine(EngineParts, CopyEngine):
                 t.start()
             self._cond.notify_all()
 
-    def _take(self, queue: deque[_Part]) -> tuple[_Part, Work, bool] | None:
-        """The next blocks to copy (under the lock) from the first part of `queue`, and whether they
-        are the part's first; None once closing with nothing left."""
-        while not queue:
-            if self._closing:
-                return None
+    def _take(self, queue: deque[_Part]) -> tuple[_Part, Work, bool, tuple[int, int] | None] | None:
+        """The next blocks to copy (under the lock) from the first part of `queue`, whether they
+        are the part's first, and for a layered load which (layer, column) they are (None: whole
+        blocks); None once closing with nothing left."""
+        while True:
+            while not queue:
+                if self._closing:
+                    return None
+                self._cond.wait()
+            part = queue[0]
+            if part.layered is None:
+                return self._take_blocks(queue, part)
+            lay = part.layered
+            layer, col = divmod(part.taken, len(lay.bounds))
+            if lay.done[col] == layer:  # else the column's layer before is still being copied: wait for it
+                first = part.taken == 0
+                if first:
+                    part.started_at = time.monotonic()
+                part.taken += 1
+                part.running += 1
+                if part.taken == lay.batches:
+                    queue.popleft()
+                start, end = lay.bounds[col]
+                return part, part.work[start:end], first, (layer, col)
             self._cond.wait()
-        part = queue[0]
+
+    def _take_blocks(self, queue: deque[_Part], part: _Part) -> tuple[_Part, Work, bool, None]:
         left = len(part.work) - part.taken
         grain = max(1, min(MAX_GRAIN_BLOCKS, GRAIN_BYTES // part.layout.rank_block_bytes))
         n = max(1, min(grain, -(-left // self.threads)))  # near the end, the rest is shared by every thread
@@ -242,7 +301,7 @@ class HostCopyEngine(EngineParts, CopyEngine):
         part.running += 1
         if part.taken == len(part.work):
             queue.popleft()
-        return part, batch, first
+        return part, batch, first, None
 
     def _run(self, queue: deque[_Part]) -> None:
         if queue is self._stores and self.store_nice:
@@ -261,12 +320,18 @@ class HostCopyEngine(EngineParts, CopyEngine):
             got = self._take(queue)
         if got is None:
             return False
-        part, batch, first = got
+        part, batch, first, at = got
         try:
-            failed, corrupt, message = self._copy(part, batch, first)
+            if at is not None:
+                failed, corrupt, message = self._copy_layer(part, batch, first, at)
+            else:
+                failed, corrupt, message = self._copy(part, batch, first)
         except Exception as e:  # a bug in a copy: its blocks fail, the daemon serves on
             log.exception("copy of op %d failed", part.plan.op_id)
             failed, corrupt, message = [w[0] for w in batch], [], f"copy failed: {e}"
+        if at is not None:  # booked with the column's progress
+            self._layer_landed(part, at, failed, corrupt, message)
+            failed, corrupt, message = [], [], ""
         assert self._loop is not None
         if part.phase == "verify":  # its copy is ordered now, before the part's last batch is checked
             bad = {*failed, *corrupt}
@@ -276,7 +341,7 @@ class HostCopyEngine(EngineParts, CopyEngine):
             part.corrupt += corrupt
             part.message = part.message or message
             part.running -= 1
-            if part.running or part.taken < len(part.work):
+            if part.running or part.taken < part.batches:
                 return True
             if part.phase:  # an engine-copy part's pass: what comes next is the event loop's
                 self._loop.call_soon_threadsafe(self._engine_next, part)
@@ -296,6 +361,25 @@ class HostCopyEngine(EngineParts, CopyEngine):
             self._loop.call_soon_threadsafe(self._part_done, part)
         return True
 
+    def _layer_landed(self, part: _Part, at: tuple[int, int], failed: list[int], corrupt: list[int], message: str) -> None:
+        """Books a layered load's batch: its failures, and its column's progress; rings the worker
+        once a layer has landed on every column (the last one's ring is the part's own)."""
+        lay = part.layered
+        assert lay is not None and isinstance(part.mapping, RankMapping)
+        layer, col = at
+        with self._cond:
+            lay.bad.update(failed, corrupt)
+            part.failed += failed
+            part.corrupt += corrupt
+            part.message = part.message or message
+            lay.done[col] = layer + 1
+            landed = min(lay.done)
+            ring = landed if lay.rung < landed < lay.layers else 0
+            lay.rung = max(lay.rung, landed)
+            self._cond.notify_all()  # a thread may be waiting for this column's layer
+        if ring:
+            part.mapping.ring_layers(part.plan.op_id, ring)
+
     def _part_copied(self, part: _Part) -> None:
         if self.on_copied is not None:
             self.on_copied(part.plan.op_id, part.plan.rank)
@@ -303,6 +387,8 @@ class HostCopyEngine(EngineParts, CopyEngine):
     def _part_done(self, part: _Part) -> None:
         now = time.monotonic()
         plan = part.plan
+        if part.layered is not None:
+            part.layered.states.close()
         live = self._live.get(plan.op_id)
         if live is not None:
             live.remove(part)
@@ -386,6 +472,47 @@ class HostCopyEngine(EngineParts, CopyEngine):
         except OSError:  # only a copy raises it: the engine shrank its file under it (the native copy's SIGBUS guard)
             failed += [w[0] for w in work[k:]]
             message = _warn_shrunk(m)
+        return failed, corrupt, message
+
+    def _copy_layer(self, part: _Part, work: Work, first: bool, at: tuple[int, int]) -> tuple[list[int], list[int], str]:
+        """One layer of a column of a layered load (native copy), each block's bytes going into its
+        xxh3 state; after the last layer the states are the blocks' checksums, checked here."""
+        plan, m, lay = part.plan, part.mapping, part.layered
+        assert isinstance(m, RankMapping) and lay is not None
+        layer, col = at
+        rank_bytes = part.layout.rank_block_bytes
+        base = self.arenas.of(plan.layout_class).base + plan.rank * rank_bytes + layer * (rank_bytes // lay.layers)
+        arena, faults = self.arenas.of(plan.layout_class), self.faults
+        if first and faults.load_delay_ms:
+            end = time.monotonic() + faults.load_delay_ms / 1000
+            while not part.cancelled and time.monotonic() < end:
+                time.sleep(0.005)
+        with self._cond:
+            todo = [(k, w) for k, w in enumerate(work) if w[0] not in lay.bad]
+        if part.cancelled or self.clock_ms() >= (plan.deadline_ms or float("inf")):
+            return [w[0] for _, w in todo], [], "" if part.cancelled else PAST_DEADLINE
+        failed = [w[0] for _, w in todo if w[1] >= m.num_blocks]
+        message = f"engine block {max(w[1] for _, w in todo)} is outside the {m.num_blocks} registered blocks" if failed else ""
+        todo = [(k, w) for k, w in todo if w[1] < m.num_blocks]
+        if layer == 0 and faults.corrupt_loads:
+            for _, w in todo:
+                if faults.take_corruption():
+                    ctypes.memset(arena.base + w[3] + plan.rank * rank_bytes, 0x5A, 64)
+        start = lay.bounds[col][0]
+        states = lay.states.addresses
+        try:
+            blockcopy.copy_blocks(
+                m.layers[layer], blockcopy.int64s([w[1] for _, w in todo]), blockcopy.int64s([base + w[3] for _, w in todo]), False,
+                b"".join(states[8 * (start + k) : 8 * (start + k + 1)] for k, _ in todo),
+            )
+        except OSError:  # the engine shrank its file under the copy (the native copy's SIGBUS guard)
+            return failed + [w[0] for _, w in todo], [], _warn_shrunk(m)
+        corrupt: list[int] = []
+        if layer == lay.layers - 1:
+            for k, w in todo:
+                if lay.states.digest(start + k) != arena.checksums.get((plan.layout_class, w[2], plan.rank), -1):
+                    corrupt.append(w[0])
+            message = message or ("checksum mismatch in the host tier" if corrupt else "")
         return failed, corrupt, message
 
     def _move(self, m: RankMapping, bid: int, hoff: int, nbytes: int, to_host: bool, want_hash: bool) -> int | None:

@@ -116,6 +116,9 @@ class RankMapping:
     # CPU memory with the native block copy built: the runs as blockcopy.pack gives them to
     # copy_block (they tile the host block in order).
     packed: bytes | None = None
+    # With `packed`: the runs of each layer's slice of the block, packed the same way (a host block
+    # is its layers one after the other, in every layout), for loads copied layer by layer.
+    layers: tuple[bytes, ...] = ()
     # The worker's doorbell (a unix datagram socket it handed over, non-blocking): each load's op id
     # goes out on it the moment this rank's part is copied (HostCopyEngine). Closed when the last
     # reference goes, like the storages, so a copy still running never sends on a reused descriptor.
@@ -156,6 +159,15 @@ class RankMapping:
         if self.doorbell is not None:
             try:
                 self.doorbell.send(op_id.to_bytes(8, "little") + bytes([intact]))
+            except OSError:
+                pass
+
+    def ring_layers(self, op_id: int, layers: int) -> None:
+        """Tells the worker that `op_id`'s first `layers` layers are in its blocks (not yet checked:
+        the part's own ring says whether they were); best effort, like ring()."""
+        if self.doorbell is not None:
+            try:
+                self.doorbell.send(op_id.to_bytes(8, "little") + b"\x02" + layers.to_bytes(2, "little"))
             except OSError:
                 pass
 
@@ -309,15 +321,36 @@ def map_rank(engine_id: str, layout: KvLayout, req: RankSpec, fds: Mapping[str, 
         host_off += r.length * esize
     first = req.storages[0]
     device = "cpu" if isinstance(first, ShmStorage) else f"cuda:{first.device}"  # type: ignore[union-attr]
-    packed = None
+    packed: bytes | None = None
+    layers: tuple[bytes, ...] = ()
     if device == "cpu" and blockcopy.available:
         packed = blockcopy.pack([(r.address, r.block_stride, r.nbytes) for r in runs])
+        layers = tuple(blockcopy.pack(lr) for lr in layer_runs(runs, layout.num_layers))
     mapped = sum(o.storage.nbytes for o in opened) if device == "cpu" else sum(sizes)
     files = [(o.file, o.end) for o in opened if o.file is not None]
-    m = RankMapping(engine_id, req.rank, req.num_blocks, runs, [o.storage for o in opened], mapped, device, _uniform(runs), packed, files=files)
+    m = RankMapping(
+        engine_id, req.rank, req.num_blocks, runs, [o.storage for o in opened], mapped, device, _uniform(runs), packed, layers, files=files,
+    )
     if packed is None:
         m.storage_bytes  # noqa: B018 (its copies go through torch: imported and made here, on the registration's thread, not in a copy)
     return m
+
+
+def layer_runs(runs: list[Run], num_layers: int) -> list[list[tuple[int, int, int]]]:
+    """Per layer, the (address, block stride, bytes) runs of its slice of the block: the runs tile
+    the host block in order, and layer l is its l-th equal slice (a run that spans layers, as a
+    contiguous layout's one run does, is cut at their edges)."""
+    total = sum(r.nbytes for r in runs)
+    size = total // num_layers
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(num_layers)]
+    for r in runs:
+        at = 0
+        while at < r.nbytes:
+            layer = (r.host_offset + at) // size
+            n = min(r.nbytes - at, (layer + 1) * size - (r.host_offset + at))
+            out[layer].append((r.address + at, r.block_stride, n))
+            at += n
+    return out
 
 
 def populate(m: RankMapping, stop: threading.Event | None = None) -> bool:
