@@ -58,6 +58,8 @@ FIGURES = (
     Figure("disk read / O_DIRECT read", "disk_tier", "read_ratio", ">= 0.7", "", "bench/disk_tier.py"),
     Figure("vLLM: daemon hit / local hit, 3500 tokens", "vllm_ttft", "ratios.3500.daemon_hit_over_local_hit", "<= 1.5", "x", "bench/vllm_ttft.py"),
     Figure("vLLM: recompute / daemon hit, 3500 tokens", "vllm_ttft", "ratios.3500.recompute_over_daemon_hit", ">= 5", "x", "bench/vllm_ttft.py"),
+    Figure("vLLM: daemon hit / the same engine's local hit, 3500 tokens", "vllm_ttft", "ratios.3500.daemon_hit_over_own_local_hit", "<= 1.1", "x", "bench/vllm_ttft.py"),
+    Figure("vLLM: daemon hit, layer by layer / whole, 3500 tokens", "vllm_ttft", "ratios.3500.layerwise_over_whole", "", "x", "bench/vllm_ttft.py"),
     Figure("vLLM: cold TTFT overhead, 2000 tokens", "vllm_ttft", "ratios.2000.cold_overhead", "<= 0.05", "%", "bench/vllm_ttft.py", 100),
     Figure("vLLM: decode tokens/s, kvdepot / none", "vllm_ttft", "decode_tps_ratio", ">= 0.95", "", "bench/vllm_ttft.py"),
     Figure("vLLM CPU: engine peak memory over plain, 2 GiB KV cache", "vllm_memory", "memfd.peak_over_plain_mib", "<= 205", " MiB", "bench/vllm_memory.py"),

@@ -19,7 +19,9 @@ and decode_tps_ratio: output tokens/s of 8 requests generating 256 tokens each, 
 and a running daemon over without the connector (a decode step that completes no block must not
 wait on the daemon), the median over --decode-repeat rounds of the two engines back to back.
 Targets: daemon hit <= 1.5x local hit and >= 5x faster than recompute; cold overhead <= 5%;
-decode_tps_ratio >= 0.95. Every engine runs with vLLM's default CPU binding for an engine without a
+decode_tps_ratio >= 0.95. --busy N runs every measured case beside N processes that each keep a
+core busy (a host shared with other work: the daemon's copy threads and the engines compete
+with them for the cores). Every engine runs with vLLM's default CPU binding for an engine without a
 connector (--omp-bind auto, --reserved-cpus 1; see main()).
 """
 
@@ -32,6 +34,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -131,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     daemon = DaemonProcess(args=["--host-gib", "3"]).start()
     engines: list[Any] = []
+    busy: list[subprocess.Popen[bytes]] = []
     try:
         plain = engine(model, args.dtype)
         engines.append(plain)
@@ -158,6 +162,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 reset(e)
             ttft_ms(e, toks)
             reset(e)
+        busy += [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+        res["busy_processes"] = args.busy
         same = True
         for size in SIZES:
             got: dict[str, list[float]] = {k: [] for k in cases}
@@ -210,6 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             counters = dict(c.stats().counters)
         res["daemon"] = {k: counters[k] for k in ("steps", "stored_blocks", "loaded_blocks", "load_failed_blocks", "checksum_failures")}
     finally:
+        for p in busy:
+            p.kill()
         for e in engines:
             close(e)
         daemon.stop()
@@ -252,6 +260,7 @@ def main() -> None:
     ap.add_argument("--omp-bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for every engine: auto (vLLM's default, the default), nobind, or core lists")
     ap.add_argument("--reserved-cpus", type=int, default=1, help="with --omp-bind auto: cores kept from every engine's OpenMP threads; default 1")
     ap.add_argument("--sizes", default="2000,3500", help="prompt sizes in tokens; default 2000,3500")
+    ap.add_argument("--busy", type=int, default=0, help="processes keeping a core busy each while measuring; default 0")
     args = ap.parse_args()
     args.sizes = tuple(int(x) for x in args.sizes.split(","))
     # Every engine gets the CPUs vLLM's default gives an engine without a connector: its automatic
