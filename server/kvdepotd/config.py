@@ -37,6 +37,7 @@ class DaemonConfig:
     lease_ms: int = 30_000
     pin_ms: int = 30_000
     op_timeout_ms: int = 30_000
+    load_budget_ms: int = 1000
     max_tokens: int = 1 << 21
     max_message_mib: int = 64
     lane: bool = True
@@ -131,6 +132,10 @@ HELP: dict[str, str] = {
     "lease_ms": "engine lease: an engine that sends no heartbeat for this long is released. Default 30000",
     "pin_ms": "how long a Lookup keeps its matched blocks pinned by default. Default 30000",
     "op_timeout_ms": "deadline of every load and store op. Default 30000",
+    "load_budget_ms": "the longest a Lookup's hit may take to copy into the engine, at the rate the daemon's loads "
+    "copied lately and behind the loads already waiting: a Lookup offers only the blocks that fit (none when the "
+    "waiting loads alone take longer), so on a starved host the engine computes instead of waiting for a late load. "
+    "0: no limit. Default 1000",
     "max_tokens": "most tokens one request may carry. Default 2097152",
     "max_message_mib": "largest gRPC message accepted, in MiB. Default 64",
     "lane": "also answer the engine path (Lookup, Step) on a plain framed socket beside each listen address "
@@ -350,6 +355,7 @@ PARSERS: dict[str, Callable[[Any], Any]] = {
     "lease_ms": _positive("lease_ms", int),
     "pin_ms": _positive("pin_ms", int),
     "op_timeout_ms": _positive("op_timeout_ms", int),
+    "load_budget_ms": _positive("load_budget_ms", int, allow_zero=True),
     "max_tokens": _positive("max_tokens", int),
     "max_message_mib": _positive("max_message_mib", int),
     "lane": _bool,

@@ -97,6 +97,7 @@ class Runtime:
         self.remote: RemoteCopyEngine | None = None
         self._remote_lookups: ThreadPoolExecutor | None = None
         self._remote_lookup_ms = 20
+        self.load_budget_ms = 1000  # DaemonConfig.load_budget_ms (0: none)
         self._remote_health: asyncio.Task[None] | None = None
         self.channels: dict[Rank, WorkerChannel] = {}
         self.backlog: dict[Rank, deque[pb.WorkerEvent]] = {}
@@ -236,7 +237,7 @@ class Runtime:
         the local tiers stop short and a remote store is up, the store is asked (on a remote
         thread, within --remote-lookup-ms) which of the next blocks it holds."""
         t = now_ms()
-        res = self.depot.lookup(engine_id, request_id, tokens, now_ms=t, **kw)
+        res = self.depot.lookup(engine_id, request_id, tokens, now_ms=t, load_cap=self._load_cap(engine_id), **kw)
         self.depot.renew_lease(engine_id, t)
         self._note_unmapped(engine_id)
         if res.remote_query and self.remote is not None:
@@ -250,6 +251,15 @@ class Runtime:
             res = self.depot.extend_lookup(engine_id, request_id, pin, res, found)
             self.pump()  # the reads of what the store holds start now (remote_prefetch)
         return res
+
+    def _load_cap(self, engine_id: EngineId) -> int:
+        """The most blocks of the engine a load can copy within the load budget, at the rate loads
+        copied lately and behind those waiting; -1: no limit (no budget, or no load measured yet)."""
+        rate = self.copy.load_rate
+        if not self.load_budget_ms or not rate:
+            return -1
+        fits = rate * self.load_budget_ms / 1000 - self.copy.load_backlog_bytes()
+        return max(0, int(fits // max(1, self.depot.engine(engine_id).layout.block_bytes)))
 
     def step(self, engine_id: EngineId, step: int, columns: StepColumns, finished: list[RequestId], preempted: list[RequestId]) -> StepPlan:
         t = now_ms()

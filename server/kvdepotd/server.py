@@ -191,6 +191,7 @@ class Daemon:
                 faults.load_delay_ms, faults.store_delay_ms, faults.corrupt_loads,
             )
         self.runtime = Runtime(self.depot, self.metrics, self.arena, copy_threads=cfg.copy_threads, store_nice=cfg.store_nice, faults=faults)
+        self.runtime.load_budget_ms = cfg.load_budget_ms
         self.service = DepotService(self.runtime)
         self.service.auth = tokens
         self.recovery = Recovery()

@@ -352,3 +352,43 @@ def test_copy_metrics_count_what_was_copied() -> None:
             assert line in text, line
     finally:
         assert d.stop() == 0
+
+
+def test_a_hit_that_cannot_be_copied_in_time_is_offered_only_as_far_as_it_fits() -> None:
+    """load_budget_ms: the daemon times its loads' copies (here each load is held 400 ms, as on a
+    starved host), and a Lookup then offers only the blocks it can copy within the budget at that
+    rate (a miss for the rest, computed by the engine at once) instead of a load the engine would
+    wait for; counted in lookups_over_load_budget. Without a budget the whole hit is offered."""
+    from kvdepot import OpCompleted, StepBatch
+    from kvdepot.testing.kv import FakeKv
+
+    lay = KvLayout(num_layers=4, num_kv_heads=8, head_size=64, dtype="float16", block_size=16, kind="vllm_cpu")  # 128 KiB a block
+    n = 64 * 16  # 8 MiB
+    toks = list(range(7000, 7000 + n + 1))
+    for budget, want in (("200", range(1, 64)), ("0", [n])):
+        d = DaemonProcess(args=["--host-gib", "0.125", "--fault-load-delay-ms", "400", "--load-budget-ms", budget]).start()
+        kv = FakeKv(lay, num_blocks=2 * 65)
+        try:
+            with DepotClient(d.tcp, strict=True) as c:
+                c.register_engine("budget", lay)
+                w = c.worker(0)
+                assert w.attached.wait(10)
+                [req] = kv.share()
+                assert w.register_kv_caches(req)
+                kv.write(list(range(65)), toks, range(n + 1))
+                b = StepBatch()
+                b.new("store", toks, list(range(65)), computed=0, scheduled=n + 1)
+                w.forward_done(c.step(b).step)
+                w.wait(lambda evs: any(isinstance(e, OpCompleted) for e in evs), 20)
+                assert c.lookup("load", toks).matched_tokens == n  # nothing timed yet: the whole hit
+                b = StepBatch()
+                b.new("load", toks, list(range(65, 130)), computed=n, scheduled=1, loaded=n)
+                [op] = [op for op in c.step(b).ops if op.kind == "load"]
+                w.wait(lambda evs: any(isinstance(e, OpCompleted) and e.op_id == op.op_id for e in evs), 20)  # 8 MiB in 0.4 s
+                got = c.lookup("again", toks).matched_tokens
+                assert (got // 16 in want) if budget != "0" else got == n, got
+                assert c.stats().counters["lookups_over_load_budget"] == (1 if budget != "0" else 0)
+                w.close()
+        finally:
+            kv.close()
+            assert d.stop() == 0

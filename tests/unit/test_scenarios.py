@@ -13,8 +13,9 @@ import pytest
 
 from kvdepotd.core.depot import LoadCopied, OpCompleted
 from kvdepotd.core.errors import FailedPrecondition, InvalidRequest, NotFound
-from kvdepotd.core.ops import OpKind
+from kvdepotd.core.ops import OpKind, RequestId
 from kvdepotd.core.slots import BlockState, UpdateStyle
+from kvdepot.hashing import tokens_to_bytes
 from tests.unit.sim import BS, Sim, blocks_of, engine_blocks_of, prompt
 
 STYLES = [UpdateStyle.VLLM, UpdateStyle.TRTLLM]
@@ -531,3 +532,28 @@ def test_late_checked_load_says_copied_once_every_rank_has(late: bool) -> None:
     sim.depot.part_copied(load.op_id, 0)  # after the end: ignored
     assert not sim.depot.take_events()
     sim.depot.check_invariants()
+
+
+def test_a_load_cap_offers_only_the_blocks_that_fit_and_says_so() -> None:
+    """The runtime's load budget (load_budget_ms) turns into a cap on the blocks a Lookup offers:
+    the first ones past the engine's own hit, none at 0; the pins follow, and each capped Lookup
+    is counted. The hit rate's denominator still counts what the tiers could have offered."""
+    sim = Sim()
+    toks = prompt(100)
+    sim.prefill_and_store("x", toks)
+    c = sim.depot.counters
+    asked = c["lookup_asked_tokens"]
+
+    def lookup(L: int, cap: int) -> int:
+        return sim.depot.lookup(
+            sim.engine, RequestId("r"), tokens_to_bytes(toks), cache_salt="", lora_name="", device_matched_tokens=L, pin_ms=0,
+            now_ms=sim.now, load_cap=cap,
+        ).matched_tokens
+
+    assert lookup(0, -1) == 96 and c["lookups_over_load_budget"] == 0
+    assert lookup(0, 2) == 32 and c["lookups_over_load_budget"] == 1
+    assert sim.depot.engines[sim.engine].domain.registry.num_pinned == 2
+    assert lookup(16, 1) == 16  # past the engine's own block
+    assert lookup(0, 0) == 0 and c["lookups_over_load_budget"] == 3
+    assert lookup(0, 6) == 96 and c["lookups_over_load_budget"] == 3  # all fit
+    assert c["lookup_asked_tokens"] - asked == 96 + 96 + 80 + 96 + 96

@@ -203,13 +203,16 @@ class Depot:
         device_matched_tokens: int,
         pin_ms: int,
         now_ms: int,
+        load_cap: int = -1,
     ) -> LookupResult:
+        """`load_cap` >= 0: offer at most that many blocks (lookup.lookup)."""
         eng = self.engine(engine_id)
         self._check_pin_caps(eng, request_id, len(tokens) // 4)
         self.disk.now_ms = self.remote.now_ms = now_ms
         remote = self.remote.up and eng.layout.world_size <= REMOTE_MAX_RANKS
         return lookup.lookup(
-            eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters, remote, eng.mapped_in_full
+            eng, request_id, tokens, cache_salt, lora_name, device_matched_tokens, pin_ms, now_ms, self.config, self.counters, remote,
+            eng.mapped_in_full, load_cap,
         )
 
     def extend_lookup(self, engine_id: EngineId, request_id: RequestId, pin: LookupPin | None, res: LookupResult, found: int) -> LookupResult:

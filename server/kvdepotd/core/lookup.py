@@ -38,10 +38,13 @@ def lookup(
     counters: Counter[str],
     remote: bool = False,
     offer: bool = True,
+    load_cap: int = -1,
 ) -> LookupResult:
     """`remote`: the remote store may be asked for the blocks after the local match (the answer's
     remote_query; the pin is kept even without a local hit, for Depot.extend_lookup). Without
-    `offer` (a rank's memory is not mapped yet) the request is checked and counted, and missed."""
+    `offer` (a rank's memory is not mapped yet) the request is checked and counted, and missed.
+    `load_cap` >= 0: the most blocks the engine's load copies can deliver in time (the runtime's
+    load budget): none past it is offered, from any tier."""
     bs = eng.layout.block_size
     n = len(tokens) // 4
     L = device_matched_tokens
@@ -60,6 +63,12 @@ def lookup(
     first = L // bs
     # The last prompt token is always recomputed (the engine needs its logits), so never offer it.
     offerable = max(0, (n - 1) // bs - first) if n else 0
+    if 0 <= load_cap < offerable:
+        counters["lookups_over_load_budget"] += 1
+        asked = offerable  # the hit rate's denominator counts what could have been found
+        offerable = load_cap
+    else:
+        asked = offerable
     hit: list[BlockHash] = []
     on_disk: list[bool] = []
     chain: list[BlockHash] = []
@@ -82,7 +91,7 @@ def lookup(
         eng.pin_tokens += n
     matched = len(hit) * bs
     disk = sum(on_disk) * bs
-    counters["lookup_asked_tokens"] += offerable * bs if L % bs == 0 else 0  # the tokens the daemon could have served: hit rates' denominator
+    counters["lookup_asked_tokens"] += asked * bs if L % bs == 0 else 0  # the tokens the daemon could have served: hit rates' denominator
     counters["lookup_hit_tokens"] += matched
     counters["lookup_disk_hit_tokens"] += disk
     return LookupResult(matched, matched - disk, disk, deadline if hit else 0, n // bs, remote_query=tuple(query))

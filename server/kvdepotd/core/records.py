@@ -20,6 +20,7 @@ MAX_LEASE_MS = 3_600_000
 COUNTERS = (
     "engines_registered", "engines_unregistered", "leases_expired",
     "lookups", "lookup_asked_tokens", "lookup_hit_tokens", "pins_expired", "lookups_unmapped", "store_blocks_unmapped",
+    "lookups_over_load_budget",
     "steps", "steps_repeated", "slots_created", "slots_released", "preemptions", "preempted_unknown",
     "store_blocks_planned", "store_blocks_already_cached", "store_blocks_tier_full", "store_blocks_over_share", "stored_blocks", "store_failed_blocks", "store_blocks_cancelled",
     "load_blocks_cancelled",

@@ -58,6 +58,7 @@ _memmove = ctypes.memmove
 Work = tuple[tuple[int, int, CellId, int], ...]  # (block index, engine block id, host cell, its byte offset in the arena)
 GRAIN_BYTES = 8 << 20  # what a copy thread takes from a part at a time (a few ms of copying)
 MAX_GRAIN_BLOCKS = 64
+RATE_MIN_BYTES = 1 << 20  # a load this large or larger updates the load rate (smaller ones time mostly overheads)
 
 
 @dataclass
@@ -170,6 +171,7 @@ class HostCopyEngine(EngineParts, CopyEngine):
         self._streams: dict[str, Any] = {}  # device -> torch.cuda.Stream
         self._events: dict[tuple[str, int], tuple[int, bytes]] = {}  # (engine, rank) -> last (step, CUDA event handle)
         self._live: dict[OpId, list[_Part]] = {}  # parts queued or copying, by op (the event loop's)
+        self.load_rate = 0.0  # bytes/s of the latest loads' copies (a moving average; 0 until one of RATE_MIN_BYTES ran)
 
     # -- engines and their tensors --------------------------------------------------------------
     def add_engine(self, engine_id: str, layout: KvLayout) -> None:
@@ -217,6 +219,11 @@ class HostCopyEngine(EngineParts, CopyEngine):
             self._start(p, mapping, layout)
         if now:
             self.on_done(now)
+
+    def load_backlog_bytes(self) -> int:
+        """Bytes of the loads waiting for, or not yet taken by, a copy thread."""
+        with self._cond:
+            return sum((p.batches - p.taken) * len(p.work) * p.layout.rank_block_bytes // max(1, p.batches) for p in self._loads)
 
     def cancel(self, op_id: OpId) -> None:
         """The op ended: its parts touch no further engine block (a block being copied finishes)."""
@@ -398,6 +405,9 @@ class HostCopyEngine(EngineParts, CopyEngine):
         nbytes = part.layout.rank_block_bytes * sum(1 for w in part.work if w[0] not in bad)
         kind = "load" if plan.kind is OpKind.LOAD else "store"
         copied = Copied(kind, nbytes, part.started_at - part.queued_at, now - part.started_at)
+        if kind == "load" and nbytes >= RATE_MIN_BYTES and copied.copy_s > 0:
+            rate = nbytes / copied.copy_s
+            self.load_rate = rate if not self.load_rate else 0.7 * self.load_rate + 0.3 * rate
         self.on_done([PartDone(plan.op_id, plan.rank, part.failed, part.message, part.corrupt, copied)])
 
     # -- the copies (worker threads) ------------------------------------------------------------------
