@@ -134,8 +134,8 @@ HELP: dict[str, str] = {
     "op_timeout_ms": "deadline of every load and store op. Default 30000",
     "load_budget_ms": "the longest a Lookup's hit may take to copy into the engine, at the rate the daemon's loads "
     "copied lately and behind the loads already waiting: a Lookup offers only the blocks that fit (none when the "
-    "waiting loads alone take longer), so on a starved host the engine computes instead of waiting for a late load. "
-    "0: no limit. Default 1000",
+    "waiting loads alone take longer), so on a starved host the engine computes instead of waiting for a late load "
+    "(engines whose CPU memory the daemon copies; a rate older than 10 s caps nothing). 0: no limit. Default 1000",
     "max_tokens": "most tokens one request may carry. Default 2097152",
     "max_message_mib": "largest gRPC message accepted, in MiB. Default 64",
     "lane": "also answer the engine path (Lookup, Step) on a plain framed socket beside each listen address "

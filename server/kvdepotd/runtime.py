@@ -46,6 +46,7 @@ from kvdepotd.transfer.mapping import RankMapping, populate
 log = logging.getLogger("kvdepotd")
 BACKLOG = 65_536  # events kept per (engine, rank) while no worker stream is attached
 RECENT_FAILURES = 32  # failures kept for GetStats (kvdepotd status)
+RATE_STALE_S = 10.0  # a load rate older than this no longer caps Lookups (load_budget_ms)
 TICK_S = 0.05
 REMOTE_CHECK_S = 1.0  # how often the remote store's health is checked
 DETACHED_LEASE_MS = 5_000  # an engine whose last worker stream ended keeps its lease this long (a worker reconnects in about 1 s)
@@ -253,10 +254,15 @@ class Runtime:
         return res
 
     def _load_cap(self, engine_id: EngineId) -> int:
-        """The most blocks of the engine a load can copy within the load budget, at the rate loads
-        copied lately and behind those waiting; -1: no limit (no budget, or no load measured yet)."""
+        """The most blocks of the engine a load can copy within the load budget, at the rate CPU
+        loads copied lately and behind those waiting; -1: no limit (no budget; an engine whose
+        memory the daemon does not copy as CPU memory; no load measured in the last RATE_STALE_S,
+        so that a rate measured in a bad moment is measured again rather than shutting hits off)."""
         rate = self.copy.load_rate
-        if not self.load_budget_ms or not rate:
+        if not self.load_budget_ms or not rate or time.monotonic() - self.copy.load_rate_at > RATE_STALE_S:
+            return -1
+        m = self.copy.mappings.get((engine_id, 0))
+        if not isinstance(m, RankMapping) or m.device != "cpu":
             return -1
         fits = rate * self.load_budget_ms / 1000 - self.copy.load_backlog_bytes()
         return max(0, int(fits // max(1, self.depot.engine(engine_id).layout.block_bytes)))

@@ -239,6 +239,7 @@ class DepotService(pb_grpc.BlockManagerServicer):
                 bell.close()
             raise
         mapping.doorbell = bell
+        mapping.layer_rings = bell is not None and request.layer_rings
         self.depot.engine_rank(engine_id, request.rank)  # still registered after the wait
         self.runtime.add_mapping(mapping)
         log.info(

@@ -370,17 +370,21 @@ def test_the_doorbell_reports_a_load_ahead_of_the_stream() -> None:
 
 
 @pytest.mark.skipif(not blockcopy.available, reason="loads land layer by layer through the native block copy (`pip install .`)")
-@pytest.mark.parametrize("kind", ["vllm_cpu", "vllm_flash", "contiguous"])
-def test_a_load_lands_layer_by_layer(kind: str) -> None:
-    """A load into handed-over memory is copied layer by layer: the doorbell says as each layer has
-    landed on every block (LayersCopied, counting up), and when it says so those layers' bytes are
-    in the engine's blocks, byte-exact, while later layers may still be on their way; then
-    LoadCopied (checked) and OpCompleted. Enough blocks that each layer takes the copy threads a
-    while, so a layer reported before it landed shows up as wrong bytes."""
+@pytest.mark.parametrize(("kind", "kv_factor", "rings"), [
+    ("vllm_cpu", 2, True), ("vllm_flash", 2, True), ("contiguous", 2, True), ("contiguous", 1, True), ("trtllm", 2, True), ("trtllm", 1, True),
+    ("vllm_cpu", 2, False),
+])
+def test_a_load_lands_layer_by_layer(kind: str, kv_factor: int, rings: bool) -> None:
+    """A load into handed-over memory of a worker that asks for layer rings is copied layer by
+    layer: the doorbell says as layers have landed on every block (LayersCopied, 1 to 7 of 8), and
+    when it says so those layers' bytes are in the engine's blocks, byte-exact, while later layers
+    may still be on their way; then LoadCopied (checked) and OpCompleted. Enough blocks that each
+    layer takes the copy threads a while, so a layer reported before it landed shows up as wrong
+    bytes. A worker that does not ask gets the load whole, and no LayersCopied."""
     from kvdepot import LayersCopied, LoadCopied, OpCompleted, StepBatch
     from kvdepot.testing.kv import FakeKv
 
-    lay = KvLayout(num_layers=8, num_kv_heads=8, head_size=64, dtype="float16", block_size=16, kind=kind)  # 256 KiB a block
+    lay = KvLayout(num_layers=8, num_kv_heads=8, head_size=64, dtype="float16", block_size=16, kind=kind, kv_factor=kv_factor)  # up to 256 KiB a block
     d = DaemonProcess(args=["--host-gib", "0.25"]).start()
     kv = FakeKv(lay, num_blocks=2 * 96 + 2)
     n = 96 * 16  # tokens: 96 blocks, 24 MiB
@@ -391,6 +395,7 @@ def test_a_load_lands_layer_by_layer(kind: str) -> None:
             w = c.worker(0)
             assert w.attached.wait(10)
             [req] = kv.share(memfd=True)
+            req.layer_rings = rings
             assert w.register_kv_caches(req, kv.fds[0])
             first, second = list(range(97)), list(range(97, 194))
             kv.write(first, toks, range(n + 1))
@@ -415,10 +420,49 @@ def test_a_load_lands_layer_by_layer(kind: str) -> None:
                     seen.append(e)
                 w.wait_for_events(0.01)
             counts = [e.layers for e in seen if isinstance(e, LayersCopied)]  # two copy threads may ring in either order
-            assert counts and all(1 <= k < lay.num_layers for k in counts) and len(set(counts)) == len(counts)
+            assert (bool(counts) and all(1 <= k < lay.num_layers for k in counts) and len(set(counts)) == len(counts)) == rings, counts
             rest = [e for e in seen if not isinstance(e, LayersCopied)]
             assert [type(e) for e in rest] == [LoadCopied, OpCompleted] and rest[0].intact and rest[1].success
             assert kv.mismatches(second, toks, n) == []
+            w.close()
+    finally:
+        kv.close()
+        assert d.stop() == 0
+
+
+@pytest.mark.skipif(not blockcopy.available, reason="loads land layer by layer through the native block copy (`pip install .`)")
+def test_a_layered_load_past_its_deadline_reports_no_layer() -> None:
+    """A layered load whose op ends before its copy (held past the op's deadline) lands no layer:
+    the doorbell says nothing of layers, only that the load is not intact, and every block fails."""
+    from kvdepot import LayersCopied, LoadCopied, OpCompleted, StepBatch
+    from kvdepot.testing.kv import FakeKv
+
+    lay = KvLayout(num_layers=8, num_kv_heads=8, head_size=64, dtype="float16", block_size=16, kind="vllm_cpu")
+    d = DaemonProcess(args=["--host-gib", "0.25", "--op-timeout-ms", "300", "--fault-load-delay-ms", "1000"]).start()
+    kv = FakeKv(lay, num_blocks=2 * 33 + 2)
+    n = 32 * 16
+    toks = list(range(8000, 8000 + n + 1))
+    try:
+        with DepotClient(d.unix, strict=True) as c:
+            c.register_engine("late-layers", lay)
+            w = c.worker(0)
+            assert w.attached.wait(10)
+            [req] = kv.share(memfd=True)
+            req.layer_rings = True
+            assert w.register_kv_caches(req, kv.fds[0])
+            kv.write(list(range(33)), toks, range(n + 1))
+            b = StepBatch()
+            b.new("store", toks, list(range(33)), computed=0, scheduled=n + 1)
+            w.forward_done(c.step(b).step)
+            w.wait(lambda evs: any(isinstance(e, OpCompleted) for e in evs), 20)
+            b = StepBatch()
+            assert c.lookup("load", toks).matched_tokens == n
+            b.new("load", toks, list(range(33, 66)), computed=n, scheduled=1, loaded=n)
+            [op] = [op for op in c.step(b).ops if op.kind == "load"]
+            evs = w.wait(lambda evs: any(isinstance(e, LoadCopied) and e.op_id == op.op_id for e in evs), 20)
+            mine = [e for e in evs if getattr(e, "op_id", None) == op.op_id]
+            assert not any(isinstance(e, LayersCopied) for e in mine), mine
+            assert [e.intact for e in mine if isinstance(e, LoadCopied)] == [False]
             w.close()
     finally:
         kv.close()

@@ -200,6 +200,9 @@ class WorkerSide:
             if self.cfg.copy_mode != "engine":
                 try:
                     self.kv_request, self.fds, self.paths = self._share(tensors, names, num_blocks)
+                    # Loads land layer by layer only in handed-over CPU memory (the doorbell says so)
+                    self.layerwise = self.layerwise and not self.cuda and bool(self.fds)
+                    self.kv_request.layer_rings = self.layerwise
                     return True
                 except handles.Unshareable as e:
                     if self.cfg.copy_mode == "daemon":
@@ -207,6 +210,7 @@ class WorkerSide:
                     why = str(e)
             if handoff_path(self.cfg.address) is None:
                 raise ValueError(f"this worker must copy its blocks itself ({why}), which needs the daemon at a unix: address")
+            self.layerwise = False
             self.copier = EngineCopier(tensors, self.layout, num_blocks, self._report)
             self.kv_request = handles.engine_copy_request(tensors, num_blocks, names)
         except Exception as e:  # e.g. no room for the memory: the engine serves on without the daemon
@@ -355,14 +359,16 @@ class WorkerSide:
         self._wait(lambda: all(self._in_place(job) for job in sync))
         self.checking += sync
 
-    def wait_for_layer(self, layer: int) -> None:
+    def wait_for_layer(self, layer: int, own: bool = True) -> None:
         """Before the forward reads `layer` of this step's loaded blocks: waits until that layer
         of every synchronous load is in place (or its op has settled: the blocks that did not
         arrive are reported after the forward). Its bytes may not be checked yet: their verdict
-        comes with take_load_errors, as with late load checks."""
+        comes with take_load_errors, as with late load checks. `own`: the wait is that layer's
+        (not another layer's that waits for it): the forward reads it only after."""
         if not self.layer_jobs:
             return
-        self.awaited.add(layer)
+        if own:
+            self.awaited.add(layer)
         jobs = self.layer_jobs
         self._wait(lambda: all(self._layer_in_place(job, layer) for job in jobs))
 

@@ -217,7 +217,7 @@ class KvTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., storage: _Optional[int] = ..., storage_offset: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RegisterKvCachesRequest(_message.Message):
-    __slots__ = ("engine_id", "rank", "num_blocks", "storages", "tensors", "doorbell_handoff_id", "engine_copies")
+    __slots__ = ("engine_id", "rank", "num_blocks", "storages", "tensors", "doorbell_handoff_id", "engine_copies", "layer_rings")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class RegisterKvCachesRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_HANDOFF_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_COPIES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_RINGS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     rank: int
     num_blocks: int
@@ -232,7 +233,8 @@ class RegisterKvCachesRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[KvTensor]
     doorbell_handoff_id: str
     engine_copies: bool
-    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., storages: _Optional[_Iterable[_Union[KvStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KvTensor, _Mapping]]] = ..., doorbell_handoff_id: _Optional[str] = ..., engine_copies: _Optional[bool] = ...) -> None: ...
+    layer_rings: bool
+    def __init__(self, engine_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_blocks: _Optional[int] = ..., storages: _Optional[_Iterable[_Union[KvStorage, _Mapping]]] = ..., tensors: _Optional[_Iterable[_Union[KvTensor, _Mapping]]] = ..., doorbell_handoff_id: _Optional[str] = ..., engine_copies: _Optional[bool] = ..., layer_rings: _Optional[bool] = ...) -> None: ...
 
 class RegisterKvCachesResponse(_message.Message):
     __slots__ = ("mapped_bytes",)

@@ -3,6 +3,8 @@ neutral kvdepot.connector.worker (KvDepotConnector's docstring maps vLLM's hooks
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvdepot.connector.instance import mint
@@ -13,7 +15,10 @@ from kvdepot.vllm.common import KvDepotHandshake, KvDepotWorkerMetadata
 class VllmWorkerSide(WorkerSide):
     on_failed_load = "; vLLM recomputes them"
     waits_per_layer = True  # each attention layer calls wait_for_layer_load; failed loads go to get_block_ids_with_load_errors
-    layer_index: dict[str, int] = {}  # layer name -> its place in the registered KV tensors (the layout's layer)
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.layer_index: dict[str, int] = {}  # layer name -> its place in the registered KV tensors (the layout's layer)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Shares this rank's KV tensors and joins the engine under the key tensor-parallel rank 0
@@ -34,9 +39,14 @@ class VllmWorkerSide(WorkerSide):
             self.join(key)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """A layer whose name was not registered (it shares another layer's cache) waits for all."""
+        """A layer whose name was not registered (it shares another layer's cache, which has its
+        own wait) waits for all of the loads."""
         if self.layer_jobs and self.layout is not None:
-            self.wait_for_layer(self.layer_index.get(layer_name, self.layout.num_layers - 1))
+            index = self.layer_index.get(layer_name)
+            if index is not None:
+                self.wait_for_layer(index)
+            else:
+                self.wait_for_layer(self.layout.num_layers - 1, own=False)
 
     def handshake(self) -> KvDepotHandshake | None:
         return KvDepotHandshake(self.key, self.engine_copies) if self.key else None

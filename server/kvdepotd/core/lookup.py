@@ -63,12 +63,10 @@ def lookup(
     first = L // bs
     # The last prompt token is always recomputed (the engine needs its logits), so never offer it.
     offerable = max(0, (n - 1) // bs - first) if n else 0
-    if 0 <= load_cap < offerable:
-        counters["lookups_over_load_budget"] += 1
-        asked = offerable  # the hit rate's denominator counts what could have been found
+    asked = offerable  # the hit rate's denominator counts what could have been found
+    capped = 0 <= load_cap < offerable
+    if capped:
         offerable = load_cap
-    else:
-        asked = offerable
     hit: list[BlockHash] = []
     on_disk: list[bool] = []
     chain: list[BlockHash] = []
@@ -78,6 +76,8 @@ def lookup(
         remote = False
     elif L % bs == 0 and offerable:
         hit, on_disk, chain = match(eng.domain, tokens, bs, seed, first, offerable)
+    if capped and len(hit) == offerable:  # the match ran into the cap (or the cap offered nothing)
+        counters["lookups_over_load_budget"] += 1
     query: list[BlockHash] = []
     if remote and L % bs == 0 and len(hit) < offerable:
         start = first + len(hit)

@@ -59,6 +59,8 @@ Work = tuple[tuple[int, int, CellId, int], ...]  # (block index, engine block id
 GRAIN_BYTES = 8 << 20  # what a copy thread takes from a part at a time (a few ms of copying)
 MAX_GRAIN_BLOCKS = 64
 RATE_MIN_BYTES = 1 << 20  # a load this large or larger updates the load rate (smaller ones time mostly overheads)
+LAYERED_MIN_BYTES = 1 << 20  # a layer of a part smaller than this is copied with the rest of its blocks, not on its own
+MAX_LAYER_RINGS = 8  # a layered part rings the doorbell at most this often (its socket holds a few hundred datagrams)
 
 
 @dataclass
@@ -96,6 +98,7 @@ class _Part:
     message: str = ""
     phase: str = ""  # an engine-copy part's (kvdepotd.transfer.engine_copy); "" for the daemon's own copies
     outstanding: int = 0  # an engine-copy part's orders its worker has not reported yet
+    ended_at: float = 0.0  # when its copy thread finished its last blocks
     layered: Layered | None = None  # a load copied layer by layer (its work is then taken in batches of one column's layer)
 
     @property
@@ -171,7 +174,8 @@ class HostCopyEngine(EngineParts, CopyEngine):
         self._streams: dict[str, Any] = {}  # device -> torch.cuda.Stream
         self._events: dict[tuple[str, int], tuple[int, bytes]] = {}  # (engine, rank) -> last (step, CUDA event handle)
         self._live: dict[OpId, list[_Part]] = {}  # parts queued or copying, by op (the event loop's)
-        self.load_rate = 0.0  # bytes/s of the latest loads' copies (a moving average; 0 until one of RATE_MIN_BYTES ran)
+        self.load_rate = 0.0  # bytes/s of the latest CPU loads' copies (a moving average; 0 until one of RATE_MIN_BYTES ran)
+        self.load_rate_at = 0.0  # when it was last updated (monotonic)
 
     # -- engines and their tensors --------------------------------------------------------------
     def add_engine(self, engine_id: str, layout: KvLayout) -> None:
@@ -247,7 +251,10 @@ class HostCopyEngine(EngineParts, CopyEngine):
         part = _Part(plan, mapping, layout, plan.work, self._forward_event(plan), failed=list(plan.failed), message=plan.message)
         if isinstance(mapping, EngineCopyRank):
             part.phase = "verify" if plan.kind is OpKind.LOAD else "prepare"
-        elif plan.kind is OpKind.LOAD and len(mapping.layers) > 1 and mapping.doorbell is not None:
+        elif (
+            plan.kind is OpKind.LOAD and mapping.layer_rings and mapping.doorbell is not None and len(mapping.layers) > 1
+            and len(plan.work) * layout.rank_block_bytes // len(mapping.layers) >= LAYERED_MIN_BYTES
+        ):
             part.layered = self._layered(part, mapping)
         self._live.setdefault(plan.op_id, []).append(part)
         self._queue(part)
@@ -350,6 +357,7 @@ class HostCopyEngine(EngineParts, CopyEngine):
             part.running -= 1
             if part.running or part.taken < part.batches:
                 return True
+            part.ended_at = time.monotonic()
             if part.phase:  # an engine-copy part's pass: what comes next is the event loop's
                 self._loop.call_soon_threadsafe(self._engine_next, part)
                 return True
@@ -375,14 +383,17 @@ class HostCopyEngine(EngineParts, CopyEngine):
         assert lay is not None and isinstance(part.mapping, RankMapping)
         layer, col = at
         with self._cond:
+            failed = [i for i in failed if i not in lay.bad]  # (a batch that raised names its blocks failed before again)
+            if failed:  # a layer that did not land everywhere: no more rings, the part's own report says what failed
+                lay.rung = lay.layers
             lay.bad.update(failed, corrupt)
             part.failed += failed
             part.corrupt += corrupt
             part.message = part.message or message
             lay.done[col] = layer + 1
             landed = min(lay.done)
-            ring = landed if lay.rung < landed < lay.layers else 0
-            lay.rung = max(lay.rung, landed)
+            ring = landed if landed < lay.layers and landed >= lay.rung + -(-lay.layers // MAX_LAYER_RINGS) else 0
+            lay.rung = max(lay.rung, ring)
             self._cond.notify_all()  # a thread may be waiting for this column's layer
         if ring:
             part.mapping.ring_layers(part.plan.op_id, ring)
@@ -404,10 +415,11 @@ class HostCopyEngine(EngineParts, CopyEngine):
         bad = {*part.failed, *part.corrupt}
         nbytes = part.layout.rank_block_bytes * sum(1 for w in part.work if w[0] not in bad)
         kind = "load" if plan.kind is OpKind.LOAD else "store"
-        copied = Copied(kind, nbytes, part.started_at - part.queued_at, now - part.started_at)
-        if kind == "load" and nbytes >= RATE_MIN_BYTES and copied.copy_s > 0:
-            rate = nbytes / copied.copy_s
+        copied = Copied(kind, nbytes, part.started_at - part.queued_at, (part.ended_at or now) - part.started_at)
+        if kind == "load" and nbytes >= RATE_MIN_BYTES and copied.copy_s > 0 and isinstance(part.mapping, RankMapping) and part.mapping.device == "cpu":
+            rate = nbytes / copied.copy_s  # timed on the copy thread: the event loop's delays are not the copy's
             self.load_rate = rate if not self.load_rate else 0.7 * self.load_rate + 0.3 * rate
+            self.load_rate_at = now
         self.on_done([PartDone(plan.op_id, plan.rank, part.failed, part.message, part.corrupt, copied)])
 
     # -- the copies (worker threads) ------------------------------------------------------------------

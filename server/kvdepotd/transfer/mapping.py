@@ -123,6 +123,7 @@ class RankMapping:
     # goes out on it the moment this rank's part is copied (HostCopyEngine). Closed when the last
     # reference goes, like the storages, so a copy still running never sends on a reused descriptor.
     doorbell: socket.socket | None = None
+    layer_rings: bool = False  # the worker waits per layer: its loads are copied layer by layer and rung (HostCopyEngine)
     # Files registered by path, which their owner may shrink, with where the registered range ends
     # (closed when the mapping goes, like the storages).
     files: list[tuple[io.FileIO, int]] = field(default_factory=list)
