@@ -52,7 +52,9 @@ class Server:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(self.port),
             "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--block-size", str(BLOCK),
             "--max-num-seqs", "8", "--kv-transfer-config", json.dumps(kv),
-            "--shutdown-timeout", "10",  # a clean shutdown (vLLM's default, 0, kills its processes at once)
+            # A clean shutdown (vLLM's default, 0, kills its processes at once), with room: it took 6 s on a
+            # quiet 2-core machine, and past the timeout vLLM kills EngineCore before it can unregister.
+            "--shutdown-timeout", "30",
         ]
         self.log_path = log_path
         self.log = open(log_path, "w+")
@@ -79,7 +81,7 @@ class Server:
         """Stops the server; its log."""
         self.proc.terminate()
         try:
-            self.proc.wait(30)
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 9)
         self.log.seek(0)
